@@ -1,0 +1,198 @@
+"""The only module that reaches django-redis and redis-py for a client.
+
+Everything else asks this module for a raw client of a cache alias, and for
+the namespace that alias's lock keys live under. Redis connection failures are
+translated into :class:`LockBackendUnavailable` here, once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import weakref
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import TYPE_CHECKING, Any
+
+from django.core.exceptions import ImproperlyConfigured
+from redis import exceptions as redis_errors
+
+from .conf import cache_entry, get_settings
+from .exceptions import LockBackendUnavailable
+
+if TYPE_CHECKING:
+    import redis
+    import redis.asyncio
+
+__all__ = [
+    "backend_errors",
+    "clear_clients",
+    "get_async_client",
+    "get_client",
+    "namespace",
+]
+
+REDIS_BACKENDS = ("django_redis.cache.RedisCache",)
+
+# Failures of the transport, not of a command: the lock could not be asked.
+_UNAVAILABLE = (redis_errors.ConnectionError, redis_errors.TimeoutError, OSError)
+
+_lock = threading.Lock()
+_sync_clients: dict[str, redis.Redis] = {}
+_async_clients: weakref.WeakKeyDictionary[
+    asyncio.AbstractEventLoop, dict[str, Any]
+] = weakref.WeakKeyDictionary()
+_namespaces: dict[str, str] = {}
+
+
+def _check_backend(alias: str) -> None:
+    backend = cache_entry(alias).get("BACKEND", "")
+    if backend in REDIS_BACKENDS:
+        return
+    # A project may subclass django-redis's backend; accept that too.
+    from django.core.cache import caches
+    from django_redis.cache import RedisCache
+
+    if not isinstance(caches[alias], RedisCache):
+        raise ImproperlyConfigured(
+            f"Cache alias {alias!r} uses BACKEND {backend!r}, which is not a Redis cache; "
+            "django-redis-mutex needs 'django_redis.cache.RedisCache'."
+        )
+
+
+def get_client(alias: str) -> redis.Redis:
+    """Return the raw redis-py client that django-redis holds for ``alias``."""
+    client = _sync_clients.get(alias)
+    if client is not None:
+        return client
+    _check_backend(alias)
+    from django_redis import get_redis_connection
+
+    try:
+        client = get_redis_connection(alias, write=True)
+    except NotImplementedError as exc:
+        raise ImproperlyConfigured(
+            f"Cache alias {alias!r} does not give access to a raw Redis client "
+            "(sharded or custom django-redis clients are not supported)."
+        ) from exc
+    with _lock:
+        _sync_clients.setdefault(alias, client)
+    return _sync_clients[alias]
+
+
+# Connection settings a user sets (URL, OPTIONS) that mean the same to the
+# async client. Transport internals of the sync pool are not carried over.
+_SHARED_KWARGS = (
+    "host", "port", "path", "db", "username", "password", "credential_provider",
+    "socket_timeout", "socket_connect_timeout", "socket_keepalive",
+    "socket_keepalive_options", "encoding", "encoding_errors", "decode_responses",
+    "client_name", "health_check_interval", "protocol",
+    "ssl_keyfile", "ssl_certfile", "ssl_cert_reqs", "ssl_ca_certs", "ssl_ca_data",
+    "ssl_check_hostname", "ssl_min_version", "ssl_ciphers",
+)
+
+
+def _async_pool_for(sync_client: redis.Redis) -> Any:
+    """Build a redis.asyncio pool with the same connection settings as ``sync_client``."""
+    import redis.asyncio as aioredis
+    from redis import connection as sync_conn
+    from redis.asyncio import connection as async_conn
+
+    pool = sync_client.connection_pool
+    kwargs = {
+        k: v for k, v in pool.connection_kwargs.items()
+        if k in _SHARED_KWARGS and v is not None
+    }
+    conn_class: Any = async_conn.Connection
+    if issubclass(pool.connection_class, sync_conn.UnixDomainSocketConnection):
+        conn_class = async_conn.UnixDomainSocketConnection
+    elif issubclass(pool.connection_class, sync_conn.SSLConnection):
+        conn_class = async_conn.SSLConnection
+    return aioredis.ConnectionPool(
+        connection_class=conn_class,
+        max_connections=getattr(pool, "max_connections", None),
+        **kwargs,
+    )
+
+
+async def _close_with_loop(clients: dict[str, Any]) -> Any:
+    """An async generator whose only job is to close ``clients`` when the loop shuts down.
+
+    ``asyncio.run()`` (and uvicorn, Django's ASGI servers) call
+    ``loop.shutdown_asyncgens()`` on exit, which closes this generator, so the
+    loop's Redis connections are closed inside the loop that owns them instead
+    of leaking as "unclosed connection" warnings.
+    """
+    try:
+        yield
+    finally:
+        for key, client in list(clients.items()):
+            if key != "__closer__":
+                await client.aclose(close_connection_pool=True)
+        clients.clear()
+
+
+async def get_async_client(alias: str) -> redis.asyncio.Redis:
+    """Return a redis.asyncio client for ``alias`` bound to the running event loop.
+
+    It shares the cache's connection settings (host, db, password, socket
+    timeouts) but has its own pool, since asyncio connections belong to one loop.
+    """
+    import redis.asyncio as aioredis
+
+    loop = asyncio.get_running_loop()
+    per_loop = _async_clients.get(loop)
+    if per_loop is None:
+        per_loop = {}
+        closer = _close_with_loop(per_loop)
+        await closer.__anext__()
+        # The loop keeps only a weak reference to its async generators.
+        per_loop["__closer__"] = closer
+        _async_clients[loop] = per_loop
+    client = per_loop.get(alias)
+    if client is None:
+        client = aioredis.Redis(connection_pool=_async_pool_for(get_client(alias)))
+        per_loop[alias] = client
+    return client
+
+
+def namespace(alias: str) -> str:
+    """Return the key namespace of ``alias``: its cache KEY_PREFIX plus the MUTEX PREFIX.
+
+    Cache keys are ``<KEY_PREFIX>:<VERSION>:<key>`` with a numeric version; a
+    lock key's second part is the (never all-digit) PREFIX, so the two cannot meet.
+    """
+    ns = _namespaces.get(alias)
+    if ns is None:
+        prefix = get_settings(alias).prefix
+        key_prefix = cache_entry(alias).get("KEY_PREFIX", "") or ""
+        if not isinstance(key_prefix, str):
+            raise ImproperlyConfigured(f"CACHES[{alias!r}]['KEY_PREFIX'] must be a string.")
+        if "{" in key_prefix or "}" in key_prefix:
+            raise ImproperlyConfigured(
+                f"CACHES[{alias!r}]['KEY_PREFIX'] contains a brace, which would change "
+                "the Redis Cluster hash tag of every lock key."
+            )
+        ns = f"{key_prefix}:{prefix}" if key_prefix else prefix
+        _namespaces[alias] = ns
+    return ns
+
+
+def clear_clients() -> None:
+    """Forget cached clients and namespaces (after CACHES changed, or in a forked child)."""
+    with _lock:
+        _sync_clients.clear()
+        _namespaces.clear()
+        _async_clients.clear()
+
+
+@contextmanager
+def backend_errors(name: str, alias: str) -> Iterator[None]:
+    """Translate a transport failure talking to Redis into LockBackendUnavailable."""
+    try:
+        yield
+    except _UNAVAILABLE as exc:
+        raise LockBackendUnavailable(
+            f"Redis for cache {alias!r} is unavailable while handling lock {name!r}: {exc}",
+            name=name,
+        ) from exc

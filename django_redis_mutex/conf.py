@@ -1,0 +1,176 @@
+"""Read and validate the ``MUTEX`` block of a ``settings.CACHES`` entry.
+
+The defaults live here and nowhere else. Settings are read when a lock is
+built, never at import time, and the parsed result is cached per alias until
+Django reports that ``CACHES`` changed (so ``override_settings`` works).
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass
+from functools import lru_cache
+from typing import Any
+
+from django.core.exceptions import ImproperlyConfigured
+from django.core.signals import setting_changed
+from django.dispatch import receiver
+
+__all__ = ["DEFAULTS", "MutexSettings", "get_settings", "validate_timeout", "validate_ttl"]
+
+DEFAULTS: dict[str, Any] = {
+    "TTL": 30,
+    "TIMEOUT": 10,
+    "BLOCKING": True,
+    "WATCHDOG": True,
+    "PREFIX": "mutex",
+    "FAIL_OPEN": False,
+    "RAISE_ON_LOST": True,
+    "MAX_HOLD": None,
+}
+
+# A lease longer than a year is a bug in the caller, not a lock.
+MAX_TTL = 365 * 24 * 3600.0
+_PREFIX_RE = re.compile(r"^[A-Za-z0-9_.:\-]+$")
+
+
+@dataclass(frozen=True)
+class MutexSettings:
+    """The lock defaults of one cache alias, validated."""
+
+    alias: str
+    ttl: float
+    timeout: float | None
+    blocking: bool
+    watchdog: bool
+    prefix: str
+    fail_open: bool
+    raise_on_lost: bool
+    max_hold: float | None
+
+
+def _is_number(value: object) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def validate_ttl(value: object, *, what: str = "ttl") -> float:
+    """Return ``value`` as seconds if it is a usable lease length, else raise."""
+    if not _is_number(value):
+        raise TypeError(f"{what} must be a number of seconds, not {type(value).__name__}.")
+    ttl = float(value)  # type: ignore[arg-type]
+    if math.isnan(ttl) or math.isinf(ttl):
+        raise ValueError(f"{what} must be a finite number of seconds, not {ttl}.")
+    if ttl < 0.001:
+        raise ValueError(f"{what} must be at least 0.001 seconds, got {value!r}.")
+    if ttl > MAX_TTL:
+        raise ValueError(f"{what} must be at most {int(MAX_TTL)} seconds (a year), got {value!r}.")
+    return ttl
+
+
+def validate_timeout(value: object, *, what: str = "timeout") -> float | None:
+    """Return seconds to wait (``None`` for forever) or raise on a bad value."""
+    if value is None:
+        return None
+    if not _is_number(value):
+        raise TypeError(f"{what} must be a number of seconds or None, not {type(value).__name__}.")
+    timeout = float(value)  # type: ignore[arg-type]
+    if math.isnan(timeout):
+        raise ValueError(f"{what} must be a number of seconds or None, not NaN.")
+    if timeout < 0:
+        raise ValueError(f"{what} must not be negative, got {value!r}.")
+    if math.isinf(timeout):
+        return None
+    return timeout
+
+
+def _validate_bool(alias: str, key: str, value: object) -> bool:
+    if not isinstance(value, bool):
+        raise ImproperlyConfigured(
+            f"CACHES[{alias!r}]['MUTEX'][{key!r}] must be True or False, got {value!r}."
+        )
+    return value
+
+
+def _wrap(alias: str, key: str, check: Any, value: object) -> Any:
+    try:
+        return check(value, what=f"CACHES[{alias!r}]['MUTEX'][{key!r}]")
+    except (TypeError, ValueError) as exc:
+        raise ImproperlyConfigured(str(exc)) from exc
+
+
+def validate_prefix(alias: str, prefix: object) -> str:
+    """Check PREFIX can be used as the first part of every lock key."""
+    where = f"CACHES[{alias!r}]['MUTEX']['PREFIX']"
+    if not isinstance(prefix, str) or not prefix:
+        raise ImproperlyConfigured(f"{where} must be a non-empty string, got {prefix!r}.")
+    if not _PREFIX_RE.match(prefix):
+        raise ImproperlyConfigured(
+            f"{where} may only contain letters, digits and _ . : - (got {prefix!r}); "
+            "braces or glob characters would break hash tags and key scans."
+        )
+    if prefix.isdigit():
+        # The cache's own keys are "<KEY_PREFIX>:<VERSION>:<key>"; an all-digit
+        # PREFIX could make a lock key equal a cache key.
+        raise ImproperlyConfigured(f"{where} must not be all digits (got {prefix!r}).")
+    return prefix
+
+
+def parse_settings(alias: str, block: object) -> MutexSettings:
+    """Validate one ``MUTEX`` block and merge it over the defaults."""
+    if block is None:
+        block = {}
+    if not isinstance(block, dict):
+        raise ImproperlyConfigured(
+            f"CACHES[{alias!r}]['MUTEX'] must be a dict, got {type(block).__name__}."
+        )
+    unknown = sorted(set(block) - set(DEFAULTS))
+    if unknown:
+        raise ImproperlyConfigured(
+            f"CACHES[{alias!r}]['MUTEX'] has unknown key(s) {', '.join(map(repr, unknown))}; "
+            f"allowed keys are {', '.join(DEFAULTS)}."
+        )
+    merged = {**DEFAULTS, **block}
+    max_hold = merged["MAX_HOLD"]
+    return MutexSettings(
+        alias=alias,
+        ttl=_wrap(alias, "TTL", validate_ttl, merged["TTL"]),
+        timeout=_wrap(alias, "TIMEOUT", validate_timeout, merged["TIMEOUT"]),
+        blocking=_validate_bool(alias, "BLOCKING", merged["BLOCKING"]),
+        watchdog=_validate_bool(alias, "WATCHDOG", merged["WATCHDOG"]),
+        prefix=validate_prefix(alias, merged["PREFIX"]),
+        fail_open=_validate_bool(alias, "FAIL_OPEN", merged["FAIL_OPEN"]),
+        raise_on_lost=_validate_bool(alias, "RAISE_ON_LOST", merged["RAISE_ON_LOST"]),
+        max_hold=None if max_hold is None else _wrap(alias, "MAX_HOLD", validate_ttl, max_hold),
+    )
+
+
+def cache_entry(alias: object) -> dict[str, Any]:
+    """Return ``settings.CACHES[alias]`` or raise naming the missing alias."""
+    from django.conf import settings
+
+    if not isinstance(alias, str):
+        raise TypeError(f"using must be a cache alias (a string), not {type(alias).__name__}.")
+    caches = getattr(settings, "CACHES", {})
+    if alias not in caches:
+        known = ", ".join(map(repr, caches)) or "none"
+        raise ImproperlyConfigured(
+            f"Cache alias {alias!r} is not configured in settings.CACHES (configured: {known})."
+        )
+    entry: dict[str, Any] = caches[alias]
+    return entry
+
+
+@lru_cache(maxsize=None)
+def get_settings(alias: str) -> MutexSettings:
+    """Return the validated lock defaults of cache ``alias``."""
+    return parse_settings(alias, cache_entry(alias).get("MUTEX"))
+
+
+@receiver(setting_changed)
+def _clear_on_caches_change(*, setting: str, **kwargs: Any) -> None:
+    if setting == "CACHES":
+        get_settings.cache_clear()
+        from . import client
+
+        client.clear_clients()

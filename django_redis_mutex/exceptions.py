@@ -1,0 +1,71 @@
+"""Errors raised by django-redis-mutex.
+
+Every error a caller can act on has its own class, and each carries the name of
+the lock it is about, so a log line or a 503 page can say which lock it was.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+__all__ = [
+    "LockBackendUnavailable",
+    "LockContended",
+    "LockError",
+    "LockLost",
+    "LockNotOwned",
+]
+
+
+class LockError(Exception):
+    """Base class of every error this app raises about a lock."""
+
+    def __init__(self, message: str, *, name: str | None = None) -> None:
+        super().__init__(message)
+        self.name = name
+
+
+class LockContended(LockError):
+    """The lock is held by another owner and could not be acquired in time.
+
+    ``retry_after`` is the number of whole seconds (at least 1) until the
+    holder's lease runs out, suitable for an HTTP ``Retry-After`` header.
+    ``owner`` is the holder's metadata (host, pid, thread, label) when known.
+    """
+
+    def __init__(
+        self,
+        name: str,
+        *,
+        retry_after: int = 1,
+        owner: dict[str, Any] | None = None,
+        waited: float = 0.0,
+    ) -> None:
+        holder = ""
+        if owner:
+            holder = " by {}".format(
+                ", ".join(f"{k}={v}" for k, v in owner.items() if v not in (None, ""))
+            )
+        super().__init__(
+            f"Lock {name!r} is held{holder}; retry after {retry_after}s.", name=name
+        )
+        self.retry_after = retry_after
+        self.owner = owner
+        self.waited = waited
+
+
+class LockLost(LockError):
+    """A hold ended without our release: it expired, was reset, or was taken.
+
+    Raised when leaving a ``with`` block (or a decorated call) whose body
+    succeeded but whose lock was no longer ours, because the work done inside
+    may have overlapped another owner's.
+    """
+
+
+class LockNotOwned(LockError):
+    """``release()`` or ``extend()`` was called on a handle that does not hold the lock."""
+
+
+class LockBackendUnavailable(LockError):
+    """Redis could not be reached, or did not answer within the socket timeout."""

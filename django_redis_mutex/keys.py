@@ -1,0 +1,82 @@
+"""Lock names and the Redis keys they map to.
+
+Every key of one lock carries the same Redis Cluster hash tag, ``{<name>}``,
+so each script touches a single slot. Characters that would change the tag
+(``{`` and ``}``) are percent-escaped, so a user's name can never move a lock
+to another slot or out of its namespace.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+__all__ = ["MAX_NAME_LENGTH", "LockKeys", "escape_name", "lock_pattern", "validate_name"]
+
+MAX_NAME_LENGTH = 1024
+
+_ESCAPES = str.maketrans({"%": "%25", "{": "%7B", "}": "%7D"})
+_GLOB_SPECIAL = str.maketrans({c: "\\" + c for c in "*?[]\\"})
+
+
+def validate_name(name: object) -> str:
+    """Return ``name`` if it can name a lock, else raise TypeError/ValueError."""
+    if not isinstance(name, str):
+        raise TypeError(f"Lock name must be a string, not {type(name).__name__}.")
+    if not name:
+        raise ValueError("Lock name must not be empty.")
+    if len(name) > MAX_NAME_LENGTH:
+        raise ValueError(
+            f"Lock name is {len(name)} characters long; the limit is {MAX_NAME_LENGTH}."
+        )
+    try:
+        name.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise ValueError(f"Lock name {name!r} cannot be encoded as UTF-8: {exc.reason}.") from exc
+    return name
+
+
+def escape_name(name: str) -> str:
+    """Return ``name`` with the hash-tag characters (and the escape itself) escaped."""
+    return name.translate(_ESCAPES)
+
+
+def glob_escape(text: str) -> str:
+    """Escape ``text`` for a literal match in a Redis SCAN MATCH pattern."""
+    return text.translate(_GLOB_SPECIAL)
+
+
+def lock_pattern(namespace: str) -> str:
+    """Return the SCAN pattern matching every lock key (and only lock keys) of a namespace."""
+    return glob_escape(namespace) + ":{*}"
+
+
+@dataclass(frozen=True)
+class LockKeys:
+    """The keys of one lock, in the order every script takes them."""
+
+    lock: str
+    fence: str
+    queue: str
+    leases: str
+    waiting: str
+    wake_prefix: str
+
+    @classmethod
+    def for_name(cls, namespace: str, name: str) -> LockKeys:
+        base = f"{namespace}:{{{escape_name(name)}}}"
+        return cls.for_lock_key(base)
+
+    @classmethod
+    def for_lock_key(cls, lock_key: str) -> LockKeys:
+        return cls(
+            lock=lock_key,
+            fence=f"{lock_key}:fence",
+            queue=f"{lock_key}:queue",
+            leases=f"{lock_key}:leases",
+            waiting=f"{lock_key}:waiting",
+            wake_prefix=f"{lock_key}:wake:",
+        )
+
+    @property
+    def script_keys(self) -> list[str]:
+        return [self.lock, self.fence, self.queue, self.leases, self.waiting]

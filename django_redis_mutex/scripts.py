@@ -1,0 +1,239 @@
+"""The Lua scripts that make every lock operation one atomic round trip.
+
+All scripts of one lock take the same five keys, which share one Redis Cluster
+hash tag (see :mod:`django_redis_mutex.keys`)::
+
+    KEYS[1]  lock      hash: token, fence, owner (JSON), acquired (ms), name
+    KEYS[2]  fence     string: the last fencing token handed out for this name
+    KEYS[3]  queue     zset: waiting tokens, scored by arrival (FIFO order)
+    KEYS[4]  leases    zset: waiting tokens, scored by the ms their wait lease ends
+    KEYS[5]  waiting   hash: waiting token -> "<ttl ms>|<owner JSON>"
+
+A waiter is woken by a push onto its own list ``<wake prefix><token>`` (same
+hash tag, so same slot). The lock is handed over *inside* the release script
+to the first live waiter, so a releasing process cannot barge back in ahead of
+the queue and a woken waiter never has to race for the lock.
+
+Scripts are loaded once per server: callers send EVALSHA and fall back to
+SCRIPT LOAD only when the server answers NOSCRIPT (see :func:`run`).
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass, field
+from typing import Any
+
+from redis.exceptions import NoScriptError
+
+__all__ = ["ACQUIRE", "CANCEL", "EXTEND", "RELEASE", "RESET", "LuaScript", "arun", "run"]
+
+# Helpers shared by the scripts that can hand the lock to a waiter.
+_COMMON = r"""
+local function now_us()
+  local t = redis.call('TIME')
+  return tonumber(t[1]) * 1000000 + tonumber(t[2])
+end
+
+-- Fencing token: strictly greater than the previous one for this name, and
+-- never below the server clock in microseconds, so it keeps growing even after
+-- the counter key itself expired (a name unused for FENCE retention).
+local function next_fence(now, retention)
+  local last = tonumber(redis.call('GET', KEYS[2]) or '0')
+  local fence = last + 1
+  if now > fence then fence = now end
+  local text = string.format('%.0f', fence)
+  redis.call('SET', KEYS[2], text, 'PX', retention)
+  return text
+end
+
+local function grant(token, ttl, owner, name, now, retention)
+  local fence = next_fence(now, retention)
+  redis.call('HSET', KEYS[1], 'token', token, 'fence', fence, 'owner', owner,
+             'acquired', string.format('%.0f', math.floor(now / 1000)), 'name', name)
+  redis.call('PEXPIRE', KEYS[1], ttl)
+  return fence
+end
+
+local function forget_waiter(token)
+  redis.call('ZREM', KEYS[3], token)
+  redis.call('ZREM', KEYS[4], token)
+  redis.call('HDEL', KEYS[5], token)
+end
+
+local function prune_dead_waiters(now_ms)
+  local dead = redis.call('ZRANGEBYSCORE', KEYS[4], '-inf', now_ms)
+  for _, token in ipairs(dead) do forget_waiter(token) end
+end
+
+-- Give the free lock to the first live waiter and wake it with its fence.
+local function hand_off(name, now, wake_prefix, wake_ttl, retention)
+  prune_dead_waiters(math.floor(now / 1000))
+  local head = redis.call('ZRANGE', KEYS[3], 0, 0)[1]
+  if not head then return false end
+  local info = redis.call('HGET', KEYS[5], head) or ''
+  forget_waiter(head)
+  local sep = string.find(info, '|', 1, true)
+  local ttl, owner = 30000, '{}'
+  if sep then
+    ttl = tonumber(string.sub(info, 1, sep - 1))
+    owner = string.sub(info, sep + 1)
+  end
+  local fence = grant(head, ttl, owner, name, now, retention)
+  local wake = wake_prefix .. head
+  redis.call('RPUSH', wake, fence)
+  redis.call('PEXPIRE', wake, wake_ttl)
+  return head
+end
+"""
+
+
+@dataclass(frozen=True)
+class LuaScript:
+    """A Lua source and its SHA1, computed once at import."""
+
+    name: str
+    source: str
+    sha: str = field(init=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "sha", hashlib.sha1(self.source.encode()).hexdigest())
+
+
+# ACQUIRE
+# KEYS[1..5] as above.
+# ARGV[1] token, ARGV[2] ttl ms, ARGV[3] owner JSON, ARGV[4] lock name,
+# ARGV[5] 1 to join the queue when contended (blocking) or 0 (try once),
+# ARGV[6] wait lease ms, ARGV[7] fence retention ms, ARGV[8] wake key prefix.
+# Returns {1, fence} when the caller now holds the lock (also when it had been
+# handed over already), else {0, pttl ms of the holder, holder owner JSON}.
+ACQUIRE = LuaScript(
+    "acquire",
+    _COMMON
+    + r"""
+local token, ttl, owner, name = ARGV[1], tonumber(ARGV[2]), ARGV[3], ARGV[4]
+local join, lease, retention = ARGV[5] == '1', tonumber(ARGV[6]), tonumber(ARGV[7])
+local now = now_us()
+local now_ms = math.floor(now / 1000)
+local holder = redis.call('HGET', KEYS[1], 'token')
+if holder == token then
+  forget_waiter(token)
+  redis.call('DEL', ARGV[8] .. token)
+  return {1, redis.call('HGET', KEYS[1], 'fence')}
+end
+if not holder then
+  prune_dead_waiters(now_ms)
+  local head = redis.call('ZRANGE', KEYS[3], 0, 0)[1]
+  if (not head) or head == token then
+    forget_waiter(token)
+    return {1, grant(token, ttl, owner, name, now, retention)}
+  end
+  -- The lock expired (no release woke anyone) and a live waiter is first in
+  -- line: give it the lock now instead of letting it sleep out its timer.
+  hand_off(name, now, ARGV[8], lease, retention)
+end
+if join then
+  if not redis.call('ZSCORE', KEYS[3], token) then
+    redis.call('ZADD', KEYS[3], now, token)
+  end
+  redis.call('ZADD', KEYS[4], now_ms + lease, token)
+  redis.call('HSET', KEYS[5], token, ARGV[2] .. '|' .. owner)
+  for i = 3, 5 do
+    if redis.call('PTTL', KEYS[i]) < lease then redis.call('PEXPIRE', KEYS[i], lease) end
+  end
+end
+return {0, redis.call('PTTL', KEYS[1]), redis.call('HGET', KEYS[1], 'owner') or ''}
+""",
+)
+
+# RELEASE
+# KEYS[1..5] as above.
+# ARGV[1] token, ARGV[2] wake key prefix, ARGV[3] wake key ttl ms,
+# ARGV[4] fence retention ms.
+# Returns 0 when the caller did not hold the lock (nothing is touched),
+# 1 when released with nobody waiting, 2 when handed to the next waiter.
+RELEASE = LuaScript(
+    "release",
+    _COMMON
+    + r"""
+if redis.call('HGET', KEYS[1], 'token') ~= ARGV[1] then return 0 end
+local name = redis.call('HGET', KEYS[1], 'name') or ''
+redis.call('DEL', KEYS[1])
+if hand_off(name, now_us(), ARGV[2], tonumber(ARGV[3]), tonumber(ARGV[4])) then
+  return 2
+end
+return 1
+""",
+)
+
+# EXTEND
+# KEYS[1] lock.  ARGV[1] token, ARGV[2] new ttl ms.
+# Returns 1 when the lease was set to ttl from now, 0 when the caller does not
+# hold the lock (it is never re-created: a renewal must not resurrect a lock).
+EXTEND = LuaScript(
+    "extend",
+    r"""
+if redis.call('HGET', KEYS[1], 'token') ~= ARGV[1] then return 0 end
+redis.call('PEXPIRE', KEYS[1], ARGV[2])
+return 1
+""",
+)
+
+# CANCEL: a waiter gives up (timeout, interrupt, cancellation).
+# KEYS[1..5] as above.
+# ARGV[1] token, ARGV[2] wake key prefix, ARGV[3] wake key ttl ms,
+# ARGV[4] fence retention ms, ARGV[5] lock name.
+# Returns {1, fence} when the lock had already been handed to the caller (it
+# now holds it and must use or release it), else {0}. If the lock is free and
+# others wait, the next one is handed the lock so nobody sleeps on a free lock.
+CANCEL = LuaScript(
+    "cancel",
+    _COMMON
+    + r"""
+local token = ARGV[1]
+forget_waiter(token)
+redis.call('DEL', ARGV[2] .. token)
+if redis.call('HGET', KEYS[1], 'token') == token then
+  return {1, redis.call('HGET', KEYS[1], 'fence')}
+end
+if redis.call('EXISTS', KEYS[1]) == 0 then
+  hand_off(ARGV[5], now_us(), ARGV[2], tonumber(ARGV[3]), tonumber(ARGV[4]))
+end
+return {0}
+""",
+)
+
+# RESET: force release whoever holds the lock (operator action).
+# KEYS[1..5] as above.
+# ARGV[1] wake key prefix, ARGV[2] wake key ttl ms, ARGV[3] fence retention ms.
+# Returns 1 when a lock was held and removed, else 0. The next waiter, if any,
+# is handed the lock and woken, as on a normal release.
+RESET = LuaScript(
+    "reset",
+    _COMMON
+    + r"""
+if redis.call('EXISTS', KEYS[1]) == 0 then return 0 end
+local name = redis.call('HGET', KEYS[1], 'name') or ''
+redis.call('DEL', KEYS[1])
+hand_off(name, now_us(), ARGV[1], tonumber(ARGV[2]), tonumber(ARGV[3]))
+return 1
+""",
+)
+
+
+def run(client: Any, script: LuaScript, keys: list[str], args: list[Any]) -> Any:
+    """Run ``script`` with EVALSHA, loading it once if the server does not know it."""
+    try:
+        return client.evalsha(script.sha, len(keys), *keys, *args)
+    except NoScriptError:
+        client.script_load(script.source)
+        return client.evalsha(script.sha, len(keys), *keys, *args)
+
+
+async def arun(client: Any, script: LuaScript, keys: list[str], args: list[Any]) -> Any:
+    """Async twin of :func:`run`."""
+    try:
+        return await client.evalsha(script.sha, len(keys), *keys, *args)
+    except NoScriptError:
+        await client.script_load(script.source)
+        return await client.evalsha(script.sha, len(keys), *keys, *args)

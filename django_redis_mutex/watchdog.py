@@ -1,0 +1,159 @@
+"""One renewer thread per process that keeps held locks alive.
+
+Every hold with the watchdog on is renewed every ttl/3 with a compare-and-
+pexpire script, so a lock is only ever extended by the owner that holds it and
+never re-created. Renewals of all due locks on one alias go in one pipeline.
+When a renewal finds the lock gone, the hold is marked lost (the holder learns
+it when it leaves its block) and the watchdog stops renewing it. ``MAX_HOLD``
+caps how long one hold is renewed, since renewing forever hides a hung holder.
+
+The thread serves sync and async holds alike: renewal then does not depend on
+an event loop being free to run it. It is created lazily and re-created in a
+forked child, where threads do not survive (gunicorn preload, Celery prefork).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from collections import defaultdict
+from typing import Any
+
+from redis.exceptions import NoScriptError
+
+from . import scripts, signals
+from .holds import Hold
+
+__all__ = ["watchdog"]
+
+logger = logging.getLogger("django_redis_mutex")
+
+# How long the thread sleeps at most when nothing is due; also the retry delay
+# after Redis could not be reached.
+_IDLE = 1.0
+
+
+class Watchdog:
+    """Renew held locks from a single background thread."""
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition()
+        self._holds: dict[int, Hold] = {}
+        self._thread: threading.Thread | None = None
+        self._wake_at = float("inf")
+
+    def watch(self, hold: Hold) -> None:
+        """Start renewing ``hold`` every ttl/3 until :meth:`unwatch`."""
+        hold.renew_at = time.monotonic() + hold.ttl / 3
+        with self._cond:
+            self._holds[id(hold)] = hold
+            if self._thread is None or not self._thread.is_alive():
+                self._thread = threading.Thread(
+                    target=self._run, name="django-redis-mutex-watchdog", daemon=True
+                )
+                self._thread.start()
+            elif hold.renew_at < self._wake_at:
+                self._cond.notify()
+
+    def unwatch(self, hold: Hold) -> None:
+        """Stop renewing ``hold``."""
+        with self._cond:
+            self._holds.pop(id(hold), None)
+
+    def watching(self, hold: Hold) -> bool:
+        """Return True while ``hold`` is being renewed."""
+        with self._cond:
+            return id(hold) in self._holds
+
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                now = time.monotonic()
+                due = [h for h in self._holds.values() if h.renew_at <= now]
+                if not due:
+                    nxt = min((h.renew_at for h in self._holds.values()), default=now + _IDLE)
+                    self._wake_at = min(nxt, now + _IDLE)
+                    self._cond.wait(self._wake_at - now)
+                    continue
+                self._wake_at = now
+            self._renew(due)
+
+    def _renew(self, due: list[Hold]) -> None:
+        by_alias: dict[str, list[Hold]] = defaultdict(list)
+        now = time.monotonic()
+        for hold in due:
+            if hold.max_hold is not None and now - hold.acquired_at >= hold.max_hold:
+                self.unwatch(hold)
+                logger.warning(
+                    "Stopped renewing lock %r after MAX_HOLD (%ss); it expires in at most %ss.",
+                    hold.name, hold.max_hold, hold.ttl,
+                )
+                continue
+            by_alias[hold.alias].append(hold)
+        for alias, holds in by_alias.items():
+            try:
+                results = self._extend_all(alias, holds)
+            except Exception as exc:  # Redis down or slow: try again soon, the lease still runs.
+                logger.warning("Could not renew %d lock(s) on %r: %s", len(holds), alias, exc)
+                retry = time.monotonic() + min(_IDLE, min(h.ttl for h in holds) / 10)
+                for hold in holds:
+                    hold.renew_at = retry
+                continue
+            for hold, renewed in zip(holds, results):
+                if renewed == 1:
+                    hold.renew_at = time.monotonic() + hold.ttl / 3
+                else:
+                    self._lost(hold)
+
+    @staticmethod
+    def _extend_all(alias: str, holds: list[Hold]) -> list[Any]:
+        from .client import get_client
+
+        client = get_client(alias)
+        for attempt in (1, 2):
+            pipe = client.pipeline(transaction=False)
+            for hold in holds:
+                pipe.evalsha(
+                    scripts.EXTEND.sha, 1, hold.keys.lock, hold.token, int(hold.ttl * 1000)
+                )
+            try:
+                return list(pipe.execute())
+            except NoScriptError:
+                if attempt == 2:
+                    raise
+                client.script_load(scripts.EXTEND.source)
+        raise AssertionError("unreachable")
+
+    def _lost(self, hold: Hold) -> None:
+        self.unwatch(hold)
+        if not hold.active or not hold.mark_lost("the watchdog found it held by another owner or gone"):
+            return
+        held = time.monotonic() - hold.acquired_at
+        logger.error(
+            "Lock %r (fence %s) was lost after %.3fs: it expired, was reset, or was taken.",
+            hold.name, hold.fence, held,
+        )
+        signals.lock_lost.send(sender=hold.alias, name=hold.name, fence=hold.fence, held=held)
+
+
+watchdog = Watchdog()
+
+
+def _after_fork_in_child() -> None:
+    # The parent's renewer thread does not exist here, and the parent's holds
+    # are not ours to renew.
+    global watchdog
+    watchdog = Watchdog()
+    from .client import clear_clients
+
+    clear_clients()
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
+
+
+def get_watchdog() -> Watchdog:
+    """Return this process's watchdog (a new one in a forked child)."""
+    return watchdog

@@ -1,0 +1,17 @@
+from django.db import models
+
+from django_redis_mutex import mutex
+
+
+class Counter(models.Model):
+    """A row whose value tests increment under a lock."""
+
+    name = models.CharField(max_length=50, unique=True)
+    value = models.IntegerField(default=0)
+
+    @mutex("counter:{self.pk}")
+    def bump(self) -> int:
+        self.refresh_from_db()
+        self.value += 1
+        self.save(update_fields=["value"])
+        return self.value
