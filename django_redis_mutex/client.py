@@ -164,6 +164,7 @@ def namespace(alias: str) -> str:
     """
     ns = _namespaces.get(alias)
     if ns is None:
+        _check_backend(alias)
         prefix = get_settings(alias).prefix
         key_prefix = cache_entry(alias).get("KEY_PREFIX", "") or ""
         if not isinstance(key_prefix, str):

@@ -10,7 +10,7 @@ from __future__ import annotations
 import math
 import re
 from dataclasses import dataclass
-from functools import lru_cache
+from functools import cache
 from typing import Any
 
 from django.core.exceptions import ImproperlyConfigured
@@ -161,7 +161,7 @@ def cache_entry(alias: object) -> dict[str, Any]:
     return entry
 
 
-@lru_cache(maxsize=None)
+@cache
 def get_settings(alias: str) -> MutexSettings:
     """Return the validated lock defaults of cache ``alias``."""
     return parse_settings(alias, cache_entry(alias).get("MUTEX"))

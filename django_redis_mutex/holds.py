@@ -17,7 +17,7 @@ import threading
 import time
 from contextvars import ContextVar
 from dataclasses import dataclass, field
-from functools import cache
+from functools import cache, lru_cache
 from typing import Any
 
 from .keys import LockKeys
@@ -25,12 +25,17 @@ from .keys import LockKeys
 __all__ = ["Hold", "current_hold", "current_owner", "forget_hold", "owner_metadata", "remember_hold"]
 
 
+def _running_task() -> asyncio.Task[Any] | None:
+    # _get_running_loop() answers None outside a loop instead of raising, which
+    # keeps this check cheap on the synchronous hot path.
+    if asyncio._get_running_loop() is None:
+        return None
+    return asyncio.current_task()
+
+
 def current_owner() -> object:
     """Return the identity of the code running now: its asyncio task, or its thread."""
-    try:
-        task = asyncio.current_task()
-    except RuntimeError:
-        task = None
+    task = _running_task()
     if task is not None:
         return task
     return (os.getpid(), threading.get_ident())
@@ -41,17 +46,19 @@ def _hostname() -> str:
     return socket.gethostname()
 
 
-def owner_metadata(label: str | None) -> str:
-    """Return the JSON owner record stored with a lock: host, pid, thread or task, label."""
-    try:
-        task = asyncio.current_task()
-    except RuntimeError:
-        task = None
-    where = task.get_name() if task is not None else threading.current_thread().name
+@lru_cache(maxsize=256)
+def _owner_json(pid: int, where: str, label: str | None) -> str:
     return json.dumps(
-        {"host": _hostname(), "pid": os.getpid(), "thread": where, "label": label},
+        {"host": _hostname(), "pid": pid, "thread": where, "label": label},
         separators=(",", ":"),
     )
+
+
+def owner_metadata(label: str | None) -> str:
+    """Return the JSON owner record stored with a lock: host, pid, thread or task, label."""
+    task = _running_task()
+    where = task.get_name() if task is not None else threading.current_thread().name
+    return _owner_json(os.getpid(), where, label)
 
 
 @dataclass(eq=False)

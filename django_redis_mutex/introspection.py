@@ -18,7 +18,6 @@ from . import scripts
 from .client import backend_errors, get_client, namespace
 from .holds import decode
 from .keys import LockKeys, lock_pattern, validate_name
-from .lock import FENCE_RETENTION, WAIT_LEASE, _ms
 
 __all__ = ["HeldLock", "held_locks", "reset", "reset_all"]
 
@@ -101,10 +100,6 @@ def held_locks(using: str = "default") -> list[HeldLock]:
     return found
 
 
-def _reset_args() -> list[Any]:
-    return [_ms(WAIT_LEASE), _ms(FENCE_RETENTION)]
-
-
 def reset(name: str, using: str = "default") -> bool:
     """Force-release lock ``name`` whoever holds it; return True if it was held.
 
@@ -115,7 +110,7 @@ def reset(name: str, using: str = "default") -> bool:
     keys = LockKeys.for_name(namespace(using), name)
     with backend_errors(name, using):
         done = scripts.run(get_client(using), scripts.RESET, keys.script_keys,
-                           [keys.wake_prefix, *_reset_args()])
+                           [])
     return bool(done)
 
 
@@ -128,5 +123,5 @@ def reset_all(using: str = "default") -> int:
             for key in batch:
                 keys = LockKeys.for_lock_key(key)
                 count += scripts.run(client, scripts.RESET, keys.script_keys,
-                                     [keys.wake_prefix, *_reset_args()])
+                                     [])
     return count

@@ -9,6 +9,7 @@ to another slot or out of its namespace.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import lru_cache
 
 __all__ = ["MAX_NAME_LENGTH", "LockKeys", "escape_name", "lock_pattern", "validate_name"]
 
@@ -50,6 +51,13 @@ def lock_pattern(namespace: str) -> str:
     return glob_escape(namespace) + ":{*}"
 
 
+@lru_cache(maxsize=4096)
+def _keys_for(cls: type[LockKeys], namespace: str, name: str) -> LockKeys:
+    # Hot names (a view's lock) are built on every request; the keys are pure
+    # functions of namespace and name.
+    return cls.for_lock_key(f"{namespace}:{{{escape_name(name)}}}")
+
+
 @dataclass(frozen=True)
 class LockKeys:
     """The keys of one lock, in the order every script takes them."""
@@ -63,8 +71,7 @@ class LockKeys:
 
     @classmethod
     def for_name(cls, namespace: str, name: str) -> LockKeys:
-        base = f"{namespace}:{{{escape_name(name)}}}"
-        return cls.for_lock_key(base)
+        return _keys_for(cls, namespace, name)
 
     @classmethod
     def for_lock_key(cls, lock_key: str) -> LockKeys:

@@ -18,6 +18,7 @@ import time
 from typing import Any, Literal
 
 from . import scripts, signals
+from .scripts import WAIT_LEASE
 from .client import backend_errors, get_async_client, get_client, namespace
 from .conf import MutexSettings, get_settings, validate_timeout, validate_ttl
 from .exceptions import LockBackendUnavailable, LockContended, LockLost, LockNotOwned
@@ -47,12 +48,6 @@ class _Default:
 
 DEFAULT: Any = _Default()
 
-# A waiter's place in line lasts this long unless it checks in again; a waiter
-# that died is skipped after at most this long. Waiters check in every half lease.
-WAIT_LEASE = 2.0
-# How long a fence counter outlives the last acquisition of its name. After it
-# expires the next fence starts from the server clock, which is still larger.
-FENCE_RETENTION = 24 * 3600.0
 # Margin added to a wait capped by the holder's lease, so the waiter wakes just
 # after the key expired rather than just before.
 _EXPIRY_MARGIN = 0.002
@@ -164,19 +159,10 @@ class Mutex:
         return True
 
     def _acquire_args(self, token: str, join: bool) -> list[Any]:
-        return [
-            token,
-            _ms(self.lease),
-            owner_metadata(self.label),
-            self.name,
-            1 if join else 0,
-            _ms(WAIT_LEASE),
-            _ms(FENCE_RETENTION),
-            self.keys.wake_prefix,
-        ]
+        return [token, _ms(self.lease), owner_metadata(self.label), self.name, 1 if join else 0]
 
     def _cancel_args(self, token: str) -> list[Any]:
-        return [token, self.keys.wake_prefix, _ms(WAIT_LEASE), _ms(FENCE_RETENTION), self.name]
+        return [token, self.name]
 
     def _wait_slice(self, deadline: float | None, pttl: int, socket_timeout: Any) -> float:
         """Seconds to block now: until the deadline, the holder's expiry or a lease check-in."""
@@ -367,7 +353,7 @@ class Mutex:
     # -- release -------------------------------------------------------------
 
     def _release_args(self, token: str) -> list[Any]:
-        return [token, self.keys.wake_prefix, _ms(WAIT_LEASE), _ms(FENCE_RETENTION)]
+        return [token]
 
     def _held_or_raise(self, action: str) -> Hold:
         hold = self._hold
@@ -482,7 +468,8 @@ class Mutex:
             return 0.0
         with backend_errors(self.name, self.using):
             pipe = get_client(self.using).pipeline(transaction=False)
-            pipe.hget(self.keys.lock, "token").pttl(self.keys.lock)
+            pipe.hget(self.keys.lock, "token")
+            pipe.pttl(self.keys.lock)
             token, pttl = pipe.execute()
         return self._state_from(token, pttl)
 
@@ -492,7 +479,8 @@ class Mutex:
             return 0.0
         with backend_errors(self.name, self.using):
             pipe = (await get_async_client(self.using)).pipeline(transaction=False)
-            pipe.hget(self.keys.lock, "token").pttl(self.keys.lock)
+            pipe.hget(self.keys.lock, "token")
+            pipe.pttl(self.keys.lock)
             token, pttl = await pipe.execute()
         return self._state_from(token, pttl)
 

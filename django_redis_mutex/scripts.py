@@ -9,8 +9,8 @@ hash tag (see :mod:`django_redis_mutex.keys`)::
     KEYS[4]  leases    zset: waiting tokens, scored by the ms their wait lease ends
     KEYS[5]  waiting   hash: waiting token -> "<ttl ms>|<owner JSON>"
 
-A waiter is woken by a push onto its own list ``<wake prefix><token>`` (same
-hash tag, so same slot). The lock is handed over *inside* the release script
+A waiter is woken by a push onto its own list ``<lock key>:wake:<token>``
+(same hash tag, so same slot; the scripts derive its name from KEYS[1]). The lock is handed over *inside* the release script
 to the first live waiter, so a releasing process cannot barge back in ahead of
 the queue and a woken waiter never has to race for the lock.
 
@@ -26,10 +26,33 @@ from typing import Any
 
 from redis.exceptions import NoScriptError
 
-__all__ = ["ACQUIRE", "CANCEL", "EXTEND", "RELEASE", "RESET", "LuaScript", "arun", "run"]
+__all__ = [
+    "ACQUIRE",
+    "CANCEL",
+    "EXTEND",
+    "FENCE_RETENTION",
+    "RELEASE",
+    "RESET",
+    "WAIT_LEASE",
+    "LuaScript",
+    "arun",
+    "run",
+]
+
+# A waiter's place in line lasts this long unless it checks in again, so a
+# waiter that died is skipped after at most this long. Waiters check in every
+# half lease. Also the life of an unread wake-up list.
+WAIT_LEASE = 2.0
+# How long a fence counter outlives the last acquisition of its name. After it
+# expires the next fence starts from the server clock, which is still larger.
+FENCE_RETENTION = 24 * 3600.0
 
 # Helpers shared by the scripts that can hand the lock to a waiter.
-_COMMON = r"""
+_COMMON = (
+    f"local WAIT_LEASE = {int(WAIT_LEASE * 1000)}\n"
+    f"local FENCE_RETENTION = {int(FENCE_RETENTION * 1000)}\n"
+    "local WAKE_PREFIX = KEYS[1] .. ':wake:'\n"
+) + r"""
 local function now_us()
   local t = redis.call('TIME')
   return tonumber(t[1]) * 1000000 + tonumber(t[2])
@@ -38,17 +61,19 @@ end
 -- Fencing token: strictly greater than the previous one for this name, and
 -- never below the server clock in microseconds, so it keeps growing even after
 -- the counter key itself expired (a name unused for FENCE retention).
-local function next_fence(now, retention)
-  local last = tonumber(redis.call('GET', KEYS[2]) or '0')
-  local fence = last + 1
-  if now > fence then fence = now end
-  local text = string.format('%.0f', fence)
-  redis.call('SET', KEYS[2], text, 'PX', retention)
+local function next_fence(now)
+  local text = string.format('%.0f', now)
+  local last = redis.call('SET', KEYS[2], text, 'PX', FENCE_RETENTION, 'GET')
+  if last and tonumber(last) >= now then
+    -- Same microsecond, or the server clock stepped back: count on from the last.
+    text = string.format('%.0f', tonumber(last) + 1)
+    redis.call('SET', KEYS[2], text, 'PX', FENCE_RETENTION)
+  end
   return text
 end
 
-local function grant(token, ttl, owner, name, now, retention)
-  local fence = next_fence(now, retention)
+local function grant(token, ttl, owner, name, now)
+  local fence = next_fence(now)
   redis.call('HSET', KEYS[1], 'token', token, 'fence', fence, 'owner', owner,
              'acquired', string.format('%.0f', math.floor(now / 1000)), 'name', name)
   redis.call('PEXPIRE', KEYS[1], ttl)
@@ -67,7 +92,7 @@ local function prune_dead_waiters(now_ms)
 end
 
 -- Give the free lock to the first live waiter and wake it with its fence.
-local function hand_off(name, now, wake_prefix, wake_ttl, retention)
+local function hand_off(name, now)
   prune_dead_waiters(math.floor(now / 1000))
   local head = redis.call('ZRANGE', KEYS[3], 0, 0)[1]
   if not head then return false end
@@ -79,10 +104,10 @@ local function hand_off(name, now, wake_prefix, wake_ttl, retention)
     ttl = tonumber(string.sub(info, 1, sep - 1))
     owner = string.sub(info, sep + 1)
   end
-  local fence = grant(head, ttl, owner, name, now, retention)
-  local wake = wake_prefix .. head
+  local fence = grant(head, ttl, owner, name, now)
+  local wake = WAKE_PREFIX .. head
   redis.call('RPUSH', wake, fence)
-  redis.call('PEXPIRE', wake, wake_ttl)
+  redis.call('PEXPIRE', wake, WAIT_LEASE)
   return head
 end
 """
@@ -103,8 +128,7 @@ class LuaScript:
 # ACQUIRE
 # KEYS[1..5] as above.
 # ARGV[1] token, ARGV[2] ttl ms, ARGV[3] owner JSON, ARGV[4] lock name,
-# ARGV[5] 1 to join the queue when contended (blocking) or 0 (try once),
-# ARGV[6] wait lease ms, ARGV[7] fence retention ms, ARGV[8] wake key prefix.
+# ARGV[5] 1 to join the queue when contended (blocking) or 0 (try once).
 # Returns {1, fence} when the caller now holds the lock (also when it had been
 # handed over already), else {0, pttl ms of the holder, holder owner JSON}.
 ACQUIRE = LuaScript(
@@ -112,34 +136,39 @@ ACQUIRE = LuaScript(
     _COMMON
     + r"""
 local token, ttl, owner, name = ARGV[1], tonumber(ARGV[2]), ARGV[3], ARGV[4]
-local join, lease, retention = ARGV[5] == '1', tonumber(ARGV[6]), tonumber(ARGV[7])
 local now = now_us()
-local now_ms = math.floor(now / 1000)
 local holder = redis.call('HGET', KEYS[1], 'token')
 if holder == token then
   forget_waiter(token)
-  redis.call('DEL', ARGV[8] .. token)
+  redis.call('DEL', WAKE_PREFIX .. token)
   return {1, redis.call('HGET', KEYS[1], 'fence')}
 end
+if not holder and redis.call('EXISTS', KEYS[3]) == 0 then
+  -- Free and nobody waiting: the common, uncontended case.
+  return {1, grant(token, ttl, owner, name, now)}
+end
+local now_ms = math.floor(now / 1000)
 if not holder then
   prune_dead_waiters(now_ms)
   local head = redis.call('ZRANGE', KEYS[3], 0, 0)[1]
   if (not head) or head == token then
     forget_waiter(token)
-    return {1, grant(token, ttl, owner, name, now, retention)}
+    return {1, grant(token, ttl, owner, name, now)}
   end
   -- The lock expired (no release woke anyone) and a live waiter is first in
   -- line: give it the lock now instead of letting it sleep out its timer.
-  hand_off(name, now, ARGV[8], lease, retention)
+  hand_off(name, now)
 end
-if join then
+if ARGV[5] == '1' then
   if not redis.call('ZSCORE', KEYS[3], token) then
     redis.call('ZADD', KEYS[3], now, token)
   end
-  redis.call('ZADD', KEYS[4], now_ms + lease, token)
+  redis.call('ZADD', KEYS[4], now_ms + WAIT_LEASE, token)
   redis.call('HSET', KEYS[5], token, ARGV[2] .. '|' .. owner)
   for i = 3, 5 do
-    if redis.call('PTTL', KEYS[i]) < lease then redis.call('PEXPIRE', KEYS[i], lease) end
+    if redis.call('PTTL', KEYS[i]) < WAIT_LEASE then
+      redis.call('PEXPIRE', KEYS[i], WAIT_LEASE)
+    end
   end
 end
 return {0, redis.call('PTTL', KEYS[1]), redis.call('HGET', KEYS[1], 'owner') or ''}
@@ -147,21 +176,18 @@ return {0, redis.call('PTTL', KEYS[1]), redis.call('HGET', KEYS[1], 'owner') or 
 )
 
 # RELEASE
-# KEYS[1..5] as above.
-# ARGV[1] token, ARGV[2] wake key prefix, ARGV[3] wake key ttl ms,
-# ARGV[4] fence retention ms.
+# KEYS[1..5] as above.  ARGV[1] token.
 # Returns 0 when the caller did not hold the lock (nothing is touched),
 # 1 when released with nobody waiting, 2 when handed to the next waiter.
 RELEASE = LuaScript(
     "release",
     _COMMON
     + r"""
-if redis.call('HGET', KEYS[1], 'token') ~= ARGV[1] then return 0 end
-local name = redis.call('HGET', KEYS[1], 'name') or ''
+local found = redis.call('HMGET', KEYS[1], 'token', 'name')
+if found[1] ~= ARGV[1] then return 0 end
 redis.call('DEL', KEYS[1])
-if hand_off(name, now_us(), ARGV[2], tonumber(ARGV[3]), tonumber(ARGV[4])) then
-  return 2
-end
+if redis.call('EXISTS', KEYS[3]) == 0 then return 1 end
+if hand_off(found[2] or '', now_us()) then return 2 end
 return 1
 """,
 )
@@ -180,9 +206,7 @@ return 1
 )
 
 # CANCEL: a waiter gives up (timeout, interrupt, cancellation).
-# KEYS[1..5] as above.
-# ARGV[1] token, ARGV[2] wake key prefix, ARGV[3] wake key ttl ms,
-# ARGV[4] fence retention ms, ARGV[5] lock name.
+# KEYS[1..5] as above.  ARGV[1] token, ARGV[2] lock name.
 # Returns {1, fence} when the lock had already been handed to the caller (it
 # now holds it and must use or release it), else {0}. If the lock is free and
 # others wait, the next one is handed the lock so nobody sleeps on a free lock.
@@ -192,20 +216,17 @@ CANCEL = LuaScript(
     + r"""
 local token = ARGV[1]
 forget_waiter(token)
-redis.call('DEL', ARGV[2] .. token)
+redis.call('DEL', WAKE_PREFIX .. token)
 if redis.call('HGET', KEYS[1], 'token') == token then
   return {1, redis.call('HGET', KEYS[1], 'fence')}
 end
-if redis.call('EXISTS', KEYS[1]) == 0 then
-  hand_off(ARGV[5], now_us(), ARGV[2], tonumber(ARGV[3]), tonumber(ARGV[4]))
-end
+if redis.call('EXISTS', KEYS[1]) == 0 then hand_off(ARGV[2], now_us()) end
 return {0}
 """,
 )
 
 # RESET: force release whoever holds the lock (operator action).
-# KEYS[1..5] as above.
-# ARGV[1] wake key prefix, ARGV[2] wake key ttl ms, ARGV[3] fence retention ms.
+# KEYS[1..5] as above.  No ARGV.
 # Returns 1 when a lock was held and removed, else 0. The next waiter, if any,
 # is handed the lock and woken, as on a normal release.
 RESET = LuaScript(
@@ -215,7 +236,7 @@ RESET = LuaScript(
 if redis.call('EXISTS', KEYS[1]) == 0 then return 0 end
 local name = redis.call('HGET', KEYS[1], 'name') or ''
 redis.call('DEL', KEYS[1])
-hand_off(name, now_us(), ARGV[1], tonumber(ARGV[2]), tonumber(ARGV[3]))
+hand_off(name, now_us())
 return 1
 """,
 )

@@ -39,7 +39,7 @@ class Watchdog:
     """Renew held locks from a single background thread."""
 
     def __init__(self) -> None:
-        self._cond = threading.Condition()
+        self._cond = threading.Condition(threading.Lock())
         self._holds: dict[int, Hold] = {}
         self._thread: threading.Thread | None = None
         self._wake_at = float("inf")
@@ -101,7 +101,7 @@ class Watchdog:
                 for hold in holds:
                     hold.renew_at = retry
                 continue
-            for hold, renewed in zip(holds, results):
+            for hold, renewed in zip(holds, results, strict=True):
                 if renewed == 1:
                     hold.renew_at = time.monotonic() + hold.ttl / 3
                 else:
@@ -128,7 +128,8 @@ class Watchdog:
 
     def _lost(self, hold: Hold) -> None:
         self.unwatch(hold)
-        if not hold.active or not hold.mark_lost("the watchdog found it held by another owner or gone"):
+        reason = "the watchdog found it held by another owner or gone"
+        if not hold.active or not hold.mark_lost(reason):
             return
         held = time.monotonic() - hold.acquired_at
         logger.error(

@@ -1,0 +1,58 @@
+"""The "Locks" page of the Django admin: held locks read live from Redis.
+
+The unmanaged :class:`~django_redis_mutex.models.Lock` model gives the page its
+place in the admin index and its permissions (``view_lock`` to look,
+``release_lock`` to force-release); every request is served by
+:mod:`django_redis_mutex.views`, never by a database query.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from django.contrib import admin
+from django.contrib.auth import get_permission_codename
+from django.http import HttpRequest, HttpResponse
+from django.urls import URLPattern, path
+
+from . import views
+from .models import Lock
+
+__all__ = ["LockAdmin"]
+
+
+@admin.register(Lock)
+class LockAdmin(admin.ModelAdmin):  # type: ignore[type-arg]
+    """List held locks and force-release them; locks are never added or edited here."""
+
+    def has_add_permission(self, request: HttpRequest) -> bool:
+        return False
+
+    def has_change_permission(self, request: HttpRequest, obj: Any = None) -> bool:
+        return False
+
+    def has_delete_permission(self, request: HttpRequest, obj: Any = None) -> bool:
+        return False
+
+    def has_release_permission(self, request: HttpRequest) -> bool:
+        """Return True if the user may force-release locks held by others."""
+        codename = get_permission_codename("release", self.opts)
+        return bool(request.user.has_perm(f"{self.opts.app_label}.{codename}"))
+
+    def get_urls(self) -> list[URLPattern]:
+        # Only the list and the release page: the default add/change/delete/history
+        # views would query a table that does not exist.
+        info = self.opts.app_label, self.opts.model_name
+        wrap = self.admin_site.admin_view
+        return [
+            path("", wrap(self.changelist_view), name="{}_{}_changelist".format(*info)),
+            path("release/", wrap(self.release_view), name="{}_{}_release".format(*info)),
+        ]
+
+    def changelist_view(self, request: HttpRequest,
+                        extra_context: dict[str, Any] | None = None) -> HttpResponse:
+        return views.lock_list(request, self, extra_context)
+
+    def release_view(self, request: HttpRequest) -> HttpResponse:
+        """Confirm (GET) and perform (POST) a force-release of the selected locks."""
+        return views.release_locks(request, self)

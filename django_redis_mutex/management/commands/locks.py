@@ -1,0 +1,167 @@
+"""``manage.py locks``: list the locks held in one cache alias, or force-release them.
+
+A thin shell over :mod:`django_redis_mutex.introspection`, which the admin
+inspector shares, so both see and reset exactly the same keys (found with SCAN
+within this app's namespace, never KEYS, never FLUSHDB).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+from django.core.exceptions import ImproperlyConfigured
+from django.core.management.base import BaseCommand, CommandError, CommandParser
+
+from django_redis_mutex.exceptions import LockBackendUnavailable
+from django_redis_mutex.introspection import HeldLock, held_locks, reset, reset_all
+
+COLUMNS = ("NAME", "HOST", "PID", "THREAD", "LABEL", "HELD FOR", "TTL LEFT", "FENCE", "WAITERS")
+
+
+def duration(seconds: float) -> str:
+    """Return ``seconds`` the way a person reads it: 4.2s, 3m05s, 2h10m, 1d03h."""
+    if seconds < 60:
+        return f"{seconds:.1f}s"
+    minutes, secs = divmod(int(seconds), 60)
+    if minutes < 60:
+        return f"{minutes}m{secs:02d}s"
+    hours, minutes = divmod(minutes, 60)
+    if hours < 24:
+        return f"{hours}h{minutes:02d}m"
+    days, hours = divmod(hours, 24)
+    return f"{days}d{hours:02d}h"
+
+
+def _cell(value: Any) -> str:
+    return "-" if value in (None, "") else str(value)
+
+
+def table_rows(locks: list[HeldLock]) -> list[tuple[str, ...]]:
+    """Return one row of display strings per lock, in COLUMNS order."""
+    return [
+        (
+            lock.name,
+            _cell(lock.owner.get("host")),
+            _cell(lock.owner.get("pid")),
+            _cell(lock.owner.get("thread")),
+            _cell(lock.owner.get("label")),
+            duration(lock.held_for),
+            duration(lock.ttl),
+            str(lock.fence),
+            str(lock.waiters),
+        )
+        for lock in locks
+    ]
+
+
+def _plural(count: int, word: str) -> str:
+    return f"{count} {word}" if count == 1 else f"{count} {word}s"
+
+
+class Command(BaseCommand):
+    help = (
+        "Lists the distributed locks held in a cache alias, or force-releases them. "
+        "A force-released lock passes to its first waiter; its holder keeps running "
+        "unprotected and learns of the loss when it next renews or finishes."
+    )
+
+    def add_arguments(self, parser: CommandParser) -> None:
+        parser.add_argument(
+            "--using",
+            default="default",
+            help='Nominates the cache alias whose locks to show or reset. Defaults to "default".',
+        )
+        action = parser.add_mutually_exclusive_group()
+        action.add_argument(
+            "--json",
+            action="store_true",
+            help="Prints the held locks as a JSON array instead of a table.",
+        )
+        action.add_argument(
+            "--reset",
+            nargs="+",
+            metavar="NAME",
+            help="Force-releases the named locks, saying which of them were held.",
+        )
+        action.add_argument(
+            "--reset-all",
+            action="store_true",
+            help="Force-releases every lock of this app in the cache alias.",
+        )
+        parser.add_argument(
+            "--noinput",
+            "--no-input",
+            action="store_false",
+            dest="interactive",
+            help="Tells Django to NOT prompt the user for input of any kind.",
+        )
+
+    def handle(self, *args: Any, **options: Any) -> None:
+        alias: str = options["using"]
+        with self.lock_errors(alias):
+            if options["reset"]:
+                self.reset_names(alias, options["reset"])
+            elif options["reset_all"]:
+                self.reset_everything(alias, interactive=options["interactive"])
+            elif options["json"]:
+                locks = held_locks(using=alias)
+                self.stdout.write(json.dumps([lock.as_dict() for lock in locks], indent=2))
+            else:
+                self.show_table(alias, held_locks(using=alias))
+
+    @contextmanager
+    def lock_errors(self, alias: str) -> Iterator[None]:
+        """Turn a configuration or connection problem into one line on stderr (CommandError)."""
+        try:
+            yield
+        except ImproperlyConfigured as exc:
+            raise CommandError(str(exc)) from exc
+        except LockBackendUnavailable as exc:
+            cause = exc.__cause__ or exc
+            raise CommandError(f"Redis for cache {alias!r} is unavailable: {cause}") from exc
+        except (TypeError, ValueError) as exc:  # a lock name that cannot exist
+            raise CommandError(str(exc)) from exc
+
+    def show_table(self, alias: str, locks: list[HeldLock]) -> None:
+        if not locks:
+            self.stdout.write(f"No locks are held in cache {alias!r}.")
+            return
+        rows = table_rows(locks)
+        widths = [max(len(row[i]) for row in [COLUMNS, *rows]) for i in range(len(COLUMNS))]
+
+        def line(cells: tuple[str, ...]) -> str:
+            return "  ".join(cell.ljust(width) for cell, width in zip(cells, widths)).rstrip()
+
+        self.stdout.write(self.style.MIGRATE_HEADING(line(COLUMNS)))
+        for row in rows:
+            self.stdout.write(line(row))
+        self.stdout.write(f"{_plural(len(locks), 'lock')} held in cache {alias!r}.")
+
+    def reset_names(self, alias: str, names: list[str]) -> None:
+        for name in names:
+            if reset(name, using=alias):
+                self.stdout.write(self.style.SUCCESS(f"Released {name!r}."))
+            else:
+                self.stdout.write(self.style.WARNING(f"{name!r} was not held."))
+
+    def reset_everything(self, alias: str, *, interactive: bool) -> None:
+        if interactive:
+            # Counting first also reports a wrong alias or a dead Redis before asking.
+            held = len(held_locks(using=alias))
+            confirm = input(
+                f"You have requested to force-release every lock in cache {alias!r} "
+                f"({_plural(held, 'lock')} held now).\n"
+                "Their holders keep running without the lock and only learn of it when\n"
+                "they next renew or finish. Are you sure you want to do this?\n\n"
+                "    Type 'yes' to continue, or 'no' to cancel: "
+            )
+        else:
+            confirm = "yes"
+        if confirm != "yes":
+            self.stdout.write("Reset cancelled.")
+            return
+        count = reset_all(using=alias)
+        self.stdout.write(self.style.SUCCESS(f"Released {_plural(count, 'lock')} in cache {alias!r}."))

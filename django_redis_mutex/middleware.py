@@ -1,0 +1,129 @@
+"""Turn a lock a view could not get into an HTTP 503 the client can act on.
+
+A view guarded by ``@mutex(...)`` raises LockContended when another owner
+holds its lock, and LockBackendUnavailable when Redis cannot be reached. Left
+alone, both become a 500 and an error report; they are really "busy, come back
+later", so :class:`MutexMiddleware` answers ``503 Service Unavailable`` with a
+``Retry-After`` header instead. Browsers (an ``Accept`` header naming
+``text/html``) get the page ``django_redis_mutex/503.html``; everything else
+gets JSON. Every other exception passes through untouched.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+from asgiref.sync import iscoroutinefunction, markcoroutinefunction
+from django.http import HttpRequest, HttpResponse, JsonResponse
+from django.template.loader import render_to_string
+from django.utils.cache import add_never_cache_headers, patch_vary_headers
+from django.utils.http import parse_header_parameters
+
+from .exceptions import LockBackendUnavailable, LockContended
+
+__all__ = ["MutexMiddleware"]
+
+logger = logging.getLogger("django_redis_mutex")
+
+
+def _quality(params: dict[str, str]) -> float:
+    try:
+        return float(params.get("q", "1"))
+    except ValueError:
+        return 0.0
+
+
+def wants_html(request: HttpRequest) -> bool:
+    """Return True if the request's Accept header names ``text/html``.
+
+    A wildcard (``*/*``, ``text/*``) or a missing header means an API client
+    or a tool, which is better served by JSON. ``text/html;q=0`` refuses HTML,
+    and a client ranking ``application/json`` above ``text/html`` gets JSON.
+    """
+    html = json = 0.0
+    for media_range in request.headers.get("Accept", "").split(","):
+        media_type, params = parse_header_parameters(media_range)
+        media_type = media_type.strip().lower()
+        if media_type == "text/html":
+            html = max(html, _quality(params))
+        elif media_type == "application/json":
+            json = max(json, _quality(params))
+    return html > 0 and html >= json
+
+
+class MutexMiddleware:
+    """Answer LockContended and LockBackendUnavailable from a view with a 503.
+
+    Works under WSGI and ASGI, with sync and async views. Subclass to change
+    ``template_name``, or ``unavailable_retry_after`` (seconds a client is told
+    to wait when Redis is unreachable; the exception carries no better value).
+    """
+
+    sync_capable = True
+    async_capable = True
+
+    template_name = "django_redis_mutex/503.html"
+    unavailable_retry_after = 5
+
+    def __init__(
+        self,
+        get_response: Callable[[HttpRequest], HttpResponse | Awaitable[HttpResponse]],
+    ) -> None:
+        self.get_response = get_response
+        self.async_mode = iscoroutinefunction(get_response)
+        if self.async_mode:
+            # Tell Django's handler this instance is awaitable, so it does not
+            # wrap us in a thread.
+            markcoroutinefunction(self)
+
+    def __call__(self, request: HttpRequest) -> Any:
+        if self.async_mode:
+            return self.__acall__(request)
+        return self.get_response(request)
+
+    async def __acall__(self, request: HttpRequest) -> HttpResponse:
+        return await self.get_response(request)  # type: ignore[misc,no-any-return]
+
+    def process_exception(self, request: HttpRequest, exception: Exception) -> HttpResponse | None:
+        """Return a 503 for a lock that could not be had; None lets anything else propagate.
+
+        Django's handler runs exception middleware synchronously (in a thread
+        under ASGI), so this one method serves sync and async views alike.
+        """
+        if isinstance(exception, LockContended):
+            retry_after = max(1, math.ceil(exception.retry_after))
+            logger.info("503 for %s: lock %r is held; retry after %ss.",
+                        request.path, exception.name, retry_after)
+            return self.unavailable(request, lock=exception.name, retry_after=retry_after)
+        if isinstance(exception, LockBackendUnavailable):
+            # The lock name may be the caller's own data; the cause is in the log.
+            logger.warning("503 for %s: %s", request.path, exception)
+            return self.unavailable(request, lock=None, retry_after=self.unavailable_retry_after)
+        return None
+
+    def unavailable(self, request: HttpRequest, *, lock: str | None, retry_after: int) -> HttpResponse:
+        """Build the 503 response: HTML for browsers, JSON for everyone else.
+
+        ``lock`` is the name of the contended lock, or None when Redis itself
+        was unavailable.
+        """
+        response: HttpResponse
+        if wants_html(request):
+            context = {"lock": lock, "retry_after": retry_after}
+            response = HttpResponse(
+                render_to_string(self.template_name, context, request=request), status=503
+            )
+        elif lock is None:
+            response = JsonResponse({"error": "lock backend unavailable"}, status=503)
+        else:
+            response = JsonResponse(
+                {"error": "locked", "lock": lock, "retry_after": retry_after}, status=503
+            )
+        response["Retry-After"] = str(retry_after)
+        # The body depends on Accept, and a "busy" answer must not be cached.
+        patch_vary_headers(response, ["Accept"])
+        add_never_cache_headers(response)
+        return response

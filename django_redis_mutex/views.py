@@ -1,0 +1,293 @@
+"""Admin views of the lock inspector: the live list of held locks and force-release.
+
+Nothing here touches the database except the admin history: the list is read
+from Redis on every request through :func:`~django_redis_mutex.introspection.held_locks`,
+and a release is :func:`~django_redis_mutex.introspection.reset`. The views are
+reached only through :class:`django_redis_mutex.admin.LockAdmin`, which wraps
+them with ``admin_site.admin_view`` (login, staff, CSRF, no caching).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import TYPE_CHECKING, Any
+from urllib.parse import urlencode
+
+from django.conf import settings
+from django.contrib import messages
+from django.contrib.admin.models import DELETION, LogEntry
+from django.contrib.contenttypes.models import ContentType
+from django.core.exceptions import PermissionDenied
+from django.http import HttpRequest, HttpResponse, HttpResponseRedirect
+from django.template.response import TemplateResponse
+from django.urls import reverse
+from django.utils.translation import gettext as _
+from django.utils.translation import ngettext
+from redis.exceptions import RedisError
+
+from .client import REDIS_BACKENDS
+from .exceptions import LockBackendUnavailable
+from .introspection import HeldLock, held_locks, reset
+from .keys import validate_name
+from .models import Lock
+
+if TYPE_CHECKING:
+    from .admin import LockAdmin
+
+__all__ = ["REFRESH_SECONDS", "lock_aliases", "lock_list", "release_locks"]
+
+# How often the list reloads itself unless paused with ?refresh=0.
+REFRESH_SECONDS = 5
+
+# Reading Redis can fail in the transport (wrapped by the client layer as
+# LockBackendUnavailable) or with an error reply (ACLs, a wrong server).
+_REDIS_FAILURES = (LockBackendUnavailable, RedisError)
+
+
+class _AliasError(Exception):
+    """The requested cache alias cannot carry locks; the message says why."""
+
+
+def lock_aliases() -> list[str]:
+    """Return the cache aliases that can carry locks: those using django-redis."""
+    from django.core.cache import caches
+    from django_redis.cache import RedisCache
+
+    aliases = []
+    for alias, entry in getattr(settings, "CACHES", {}).items():
+        if entry.get("BACKEND") in REDIS_BACKENDS or isinstance(caches[alias], RedisCache):
+            aliases.append(alias)
+    return aliases
+
+
+def _chosen_alias(request: HttpRequest, aliases: list[str]) -> str:
+    """Return the alias named by ``?using=`` (or the default one), else raise _AliasError."""
+    using = request.GET.get("using") or request.POST.get("using")
+    if not using:
+        if not aliases:
+            raise _AliasError(_("No cache in settings.CACHES uses django-redis, so no lock can "
+                                "be held. Set a cache BACKEND to 'django_redis.cache.RedisCache'."))
+        return "default" if "default" in aliases else aliases[0]
+    if using not in aliases:
+        raise _AliasError(
+            _("Cache alias “%(alias)s” does not carry locks: it is not a django-redis cache in "
+              "settings.CACHES. Choose one of: %(choices)s.")
+            % {"alias": using, "choices": ", ".join(aliases) or _("none")}
+        )
+    return using
+
+
+def _unavailable(using: str, exc: Exception) -> str:
+    return _("Redis of cache “%(alias)s” could not be read, so the locks cannot be listed or "
+             "released right now: %(error)s") % {"alias": using, "error": exc}
+
+
+def _duration(seconds: float) -> str:
+    """Return ``seconds`` as a short human reading: "4.2 s", "3 min 5 s", "2 h 10 min"."""
+    if seconds < 60:
+        return _("%(seconds).1f s") % {"seconds": seconds}
+    whole = int(seconds)
+    hours, rest = divmod(whole, 3600)
+    minutes, secs = divmod(rest, 60)
+    if hours:
+        return _("%(hours)d h %(minutes)d min") % {"hours": hours, "minutes": minutes}
+    return _("%(minutes)d min %(seconds)d s") % {"minutes": minutes, "seconds": secs}
+
+
+def _url(base: str, **params: Any) -> str:
+    query = urlencode([(k, v) for k, v in params.items() if v not in (None, "")], doseq=True)
+    return f"{base}?{query}" if query else base
+
+
+def _urls(model_admin: LockAdmin) -> tuple[str, str]:
+    """Return the changelist and release URLs of this admin site."""
+    opts = model_admin.opts
+    site = model_admin.admin_site.name
+    base = f"admin:{opts.app_label}_{opts.model_name}"
+    return (reverse(f"{base}_changelist", current_app=site),
+            reverse(f"{base}_release", current_app=site))
+
+
+def _row(held: HeldLock, release_url: str, using: str) -> dict[str, Any]:
+    owner = held.owner
+    return {
+        "name": held.name,
+        "host": owner.get("host") or "",
+        "pid": owner.get("pid") or "",
+        "thread": owner.get("thread") or "",
+        "label": owner.get("label") or "",
+        "acquired_at": held.acquired_at,
+        "held_for": _duration(held.held_for),
+        "ttl": _duration(held.ttl),
+        "fence": held.fence,
+        "waiters": held.waiters,
+        "release_url": _url(release_url, using=using, name=held.name),
+    }
+
+
+def _base_context(request: HttpRequest, model_admin: LockAdmin, title: str) -> dict[str, Any]:
+    opts = model_admin.opts
+    return {
+        **model_admin.admin_site.each_context(request),
+        "opts": opts,
+        "app_label": opts.app_label,
+        "title": title,
+    }
+
+
+def lock_list(request: HttpRequest, model_admin: LockAdmin,
+              extra_context: dict[str, Any] | None = None) -> HttpResponse:
+    """Show the locks held right now in one cache alias, searchable by name."""
+    if not model_admin.has_view_permission(request):
+        raise PermissionDenied
+    changelist_url, release_url = _urls(model_admin)
+    query = request.GET.get("q", "").strip()
+    paused = request.GET.get("refresh") == "0"
+    aliases = lock_aliases()
+    context = _base_context(request, model_admin, _("Locks"))
+    context.update({
+        "aliases": aliases,
+        "query": query,
+        "paused": paused,
+        "refresh_seconds": 0 if paused else REFRESH_SECONDS,
+        "can_release": model_admin.has_release_permission(request),
+        "release_url": release_url,
+        "locks": [],
+        "total": 0,
+        "error": None,
+    })
+    status = 200
+    try:
+        using = _chosen_alias(request, aliases)
+    except _AliasError as exc:
+        context.update(error=str(exc), using=None)
+        status = 404
+    else:
+        context.update(
+            using=using,
+            alias_links=[(a, _url(changelist_url, using=a, q=query)) for a in aliases],
+            pause_url=_url(changelist_url, using=using, q=query, refresh="0"),
+            resume_url=_url(changelist_url, using=using, q=query),
+            clear_search_url=_url(changelist_url, using=using),
+        )
+        try:
+            found = held_locks(using)
+        except _REDIS_FAILURES as exc:
+            context["error"] = _unavailable(using, exc)
+            status = 503
+        else:
+            matching = [h for h in found if query.casefold() in h.name.casefold()]
+            context["locks"] = [_row(h, release_url, using) for h in matching]
+            context["total"] = len(found)
+    context.update(extra_context or {})
+    request.current_app = model_admin.admin_site.name
+    return TemplateResponse(request, "django_redis_mutex/admin/locks.html", context,
+                            status=status)
+
+
+def _requested_names(values: Iterable[str]) -> list[str]:
+    """Return the distinct, valid lock names among ``values``, in their order."""
+    names: list[str] = []
+    for value in values:
+        try:
+            validate_name(value)
+        except (TypeError, ValueError):
+            continue  # cannot name a lock, so it cannot be held either
+        if value not in names:
+            names.append(value)
+    return names
+
+
+def _describe(held: HeldLock | None) -> str:
+    if held is None:
+        return _("owner unknown: it was not held when the page was read")
+    owner = ", ".join(f"{k}={v}" for k, v in held.owner.items() if v not in (None, ""))
+    return _("fence %(fence)d, owner %(owner)s") % {
+        "fence": held.fence, "owner": owner or _("unknown")}
+
+
+def _log_release(request: HttpRequest, name: str, using: str, held: HeldLock | None) -> None:
+    """Record one force-release in the admin history of the Lock model."""
+    message = _("Force-released lock “%(name)s” in cache “%(alias)s” (%(details)s).") % {
+        "name": name, "alias": using, "details": _describe(held)}
+    lock = Lock(name=name)
+    user_id = request.user.pk
+    if hasattr(LogEntry.objects, "log_actions"):  # Django 5.1+
+        LogEntry.objects.log_actions(user_id, [lock], DELETION, change_message=message)
+    else:  # pragma: no cover - Django < 5.1 has only log_action
+        LogEntry.objects.log_action(
+            user_id=user_id,
+            content_type_id=ContentType.objects.get_for_model(Lock).pk,
+            object_id=name, object_repr=name, action_flag=DELETION, change_message=message,
+        )
+
+
+def release_locks(request: HttpRequest, model_admin: LockAdmin) -> HttpResponse:
+    """Confirm (GET) and perform (POST) the force-release of the named locks."""
+    if not (model_admin.has_view_permission(request)
+            and model_admin.has_release_permission(request)):
+        raise PermissionDenied
+    changelist_url, release_url = _urls(model_admin)
+    data = request.POST if request.method == "POST" else request.GET
+    query = data.get("q", "")
+    try:
+        using = _chosen_alias(request, lock_aliases())
+    except _AliasError as exc:
+        context = _base_context(request, model_admin, _("Release locks"))
+        context.update(error=str(exc), locks=[], names=[])
+        request.current_app = model_admin.admin_site.name
+        return TemplateResponse(request, "django_redis_mutex/admin/release.html", context,
+                                status=404)
+    back = _url(changelist_url, using=using, q=query)
+    names = _requested_names(data.getlist("name"))
+    if not names:
+        messages.warning(request, _("Select the locks to release first."))
+        return HttpResponseRedirect(back)
+    try:
+        held = {h.name: h for h in held_locks(using) if h.name in names}
+    except _REDIS_FAILURES as exc:
+        messages.error(request, _unavailable(using, exc))
+        return HttpResponseRedirect(back)
+
+    if request.method == "POST":
+        return _perform_release(request, names, using, held, back)
+
+    if not held:
+        messages.warning(request, _("None of the selected locks is held any more."))
+        return HttpResponseRedirect(back)
+    context = _base_context(request, model_admin, _("Release locks"))
+    context.update({
+        "error": None,
+        "using": using,
+        "query": query,
+        "back_url": back,
+        "release_url": release_url,
+        "locks": [_row(held[n], release_url, using) for n in names if n in held],
+        "gone": [n for n in names if n not in held],
+    })
+    request.current_app = model_admin.admin_site.name
+    return TemplateResponse(request, "django_redis_mutex/admin/release.html", context)
+
+
+def _perform_release(request: HttpRequest, names: list[str], using: str,
+                     held: dict[str, HeldLock], back: str) -> HttpResponse:
+    released = 0
+    try:
+        for name in names:
+            if reset(name, using):
+                released += 1
+                _log_release(request, name, using, held.get(name))
+    except _REDIS_FAILURES as exc:
+        messages.error(request, _unavailable(using, exc))
+    else:
+        not_held = len(names) - released
+        if not_held:
+            messages.warning(request, ngettext(
+                "%(count)d lock was no longer held.", "%(count)d locks were no longer held.",
+                not_held,
+            ) % {"count": not_held})
+    if released:
+        messages.success(request, ngettext(
+            "Released %(count)d lock.", "Released %(count)d locks.", released,
+        ) % {"count": released})
+    return HttpResponseRedirect(back)
