@@ -402,24 +402,34 @@ class Mutex:
         Raise LockNotOwned when this handle does not hold it, including when its
         hold expired or was taken; another owner's lock is never touched. The
         handle keeps its token until Redis confirmed, so a failed release can be
-        retried.
+        retried; the watchdog stops renewing it, so a release never retried
+        ends with the lease instead of being renewed forever.
         """
         hold = self._held_or_raise("release")
         if self._unnest(hold):
             return
-        with backend_errors(self.name, self.using):
-            released = scripts.run(get_client(self.using), scripts.RELEASE,
-                                   self.keys.script_keys, self._release_args(hold.token))
+        try:
+            with backend_errors(self.name, self.using):
+                released = scripts.run(get_client(self.using), scripts.RELEASE,
+                                       self.keys.script_keys, self._release_args(hold.token))
+        except BaseException:
+            get_watchdog().unwatch(hold)
+            raise
         self._finish(hold, released)
 
     async def arelease(self) -> None:
-        """Async twin of :meth:`release`."""
+        """Async twin of :meth:`release`; a cancelled release can be retried too."""
         hold = self._held_or_raise("release")
         if self._unnest(hold):
             return
-        with backend_errors(self.name, self.using):
-            released = await scripts.arun((await get_async_client(self.using)), scripts.RELEASE,
-                                          self.keys.script_keys, self._release_args(hold.token))
+        try:
+            with backend_errors(self.name, self.using):
+                client = await get_async_client(self.using)
+                released = await scripts.arun(client, scripts.RELEASE, self.keys.script_keys,
+                                              self._release_args(hold.token))
+        except BaseException:
+            get_watchdog().unwatch(hold)
+            raise
         self._finish(hold, released)
 
     # -- extend and inspect --------------------------------------------------
@@ -577,7 +587,9 @@ class Mutex:
             return False
         hold = self._hold
         try:
-            await self.arelease()
+            # Shielded: a task cancelled while leaving the block still releases
+            # its lock (the release finishes in the background).
+            await asyncio.shield(self.arelease())
         except LockNotOwned:
             self._lost_on_exit(hold, body_failed=exc_type is not None)
         except LockBackendUnavailable as error:

@@ -35,7 +35,7 @@ INSTALLED_APPS = [
     "django.contrib.messages",
     "django.contrib.staticfiles",
     "django_redis_mutex",
-    "testproject.demo",
+    "testproject.demo.apps.DemoConfig",
 ]
 
 MIDDLEWARE = [
@@ -45,6 +45,8 @@ MIDDLEWARE = [
     "django.middleware.csrf.CsrfViewMiddleware",
     "django.contrib.auth.middleware.AuthenticationMiddleware",
     "django.contrib.messages.middleware.MessageMiddleware",
+    # LockContended / LockBackendUnavailable from a view -> 503 with Retry-After.
+    "django_redis_mutex.middleware.MutexMiddleware",
 ]
 
 ROOT_URLCONF = "testproject.urls"

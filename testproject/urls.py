@@ -5,6 +5,7 @@ from testproject.demo import views
 
 urlpatterns = [
     path("", views.inventory, name="inventory"),
-    path("reserve/", views.reserve, name="reserve"),
+    path("reserve/<int:pk>/", views.reserve, name="reserve"),
+    path("hold/", views.hold, name="hold"),
     path("admin/", admin.site.urls),
 ]

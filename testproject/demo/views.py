@@ -1,47 +1,72 @@
-"""Demo views: an inventory whose reserve action runs under ``@mutex("inventory")``."""
+"""Demo views: the inventory page, its locked actions, and a lock you can hold on purpose."""
 
-import time
+import threading
 
+from django.contrib import messages
 from django.http import HttpRequest, HttpResponse
-from django.shortcuts import redirect, render
+from django.shortcuts import get_object_or_404, redirect, render
 from django.views.decorators.http import require_POST
 
-from django_redis_mutex import LockContended, held_locks, mutex
+from django_redis_mutex import LockBackendUnavailable, Mutex, held_locks, mutex
 
-STOCK_KEY = "demo:stock"
+from .models import Product
 
-
-def _stock() -> int:
-    from django.core.cache import cache
-
-    return int(cache.get_or_set(STOCK_KEY, 100))
+HOLD_SECONDS = 20
 
 
 def inventory(request: HttpRequest) -> HttpResponse:
+    try:
+        locks = held_locks()
+        redis_error = ""
+    except LockBackendUnavailable as exc:
+        locks, redis_error = [], str(exc)
     return render(
         request,
         "demo/inventory.html",
-        {"stock": _stock(), "locks": held_locks(), "message": request.GET.get("message", "")},
+        {
+            "products": Product.objects.all(),
+            "locks": locks,
+            "redis_error": redis_error,
+            "hold_seconds": HOLD_SECONDS,
+        },
     )
 
 
-@mutex("inventory", label="reserve view")
-def _reserve_one() -> int:
-    from django.core.cache import cache
+@require_POST
+@mutex("inventory", timeout=2, label="reserve view")
+def reserve(request: HttpRequest, pk: int) -> HttpResponse:
+    """Reserve one unit. Runs under "inventory", then the product's own lock.
 
-    stock = _stock()
-    time.sleep(0.5)  # a slow read-modify-write: only safe under the lock
-    cache.set(STOCK_KEY, stock - 1)
-    return stock - 1
+    When someone holds "inventory" for longer than the 2 s timeout, the view
+    raises LockContended and MutexMiddleware answers 503 with Retry-After.
+    """
+    product = get_object_or_404(Product, pk=pk)
+    try:
+        left = product.reserve()
+    except ValueError as exc:
+        messages.error(request, str(exc))
+    else:
+        messages.success(request, f"Reserved one {product.name}; {left} left.")
+    return redirect("inventory")
+
+
+def _hold(lock: Mutex) -> None:
+    try:
+        threading.Event().wait(HOLD_SECONDS)
+    finally:
+        lock.release()
 
 
 @require_POST
-def reserve(request: HttpRequest) -> HttpResponse:
-    try:
-        left = _reserve_one()
-    except LockContended as exc:
-        return HttpResponse(
-            f"Inventory is locked; retry in {exc.retry_after}s.", status=503,
-            headers={"Retry-After": str(exc.retry_after)},
-        )
-    return redirect(f"/?message=Reserved+one;+{left}+left")
+def hold(request: HttpRequest) -> HttpResponse:
+    """Take the "inventory" lock for 20 s in a background thread.
+
+    Reserve from another tab meanwhile: it waits 2 s, then gets the 503 page.
+    """
+    lock = Mutex("inventory", label=f"held on purpose for {HOLD_SECONDS}s", timeout=0)
+    if lock.acquire(blocking=False):
+        threading.Thread(target=_hold, args=(lock,), daemon=True).start()
+        messages.info(request, f"Holding the inventory lock for {HOLD_SECONDS}s (fence {lock.fence}).")
+    else:
+        messages.warning(request, "The inventory lock is already held.")
+    return redirect("inventory")
