@@ -43,6 +43,30 @@ def _field_root(field: str) -> str:
     return field
 
 
+def _bind(
+    func: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> inspect.BoundArguments | None:
+    """Bind a call to ``func``'s parameters, seeing through wrappers when that works.
+
+    ``method_decorator`` passes a partial of the bound method whose
+    ``__wrapped__`` is the plain function (with ``self``); the partial's own
+    signature is the right one then.
+    """
+    for follow in (True, False):
+        try:
+            signature = inspect.signature(func, follow_wrapped=follow)
+        except ValueError as exc:
+            raise TypeError(
+                f"Cannot read the parameters of {func!r} to fill a lock name template; "
+                "pass a callable name instead."
+            ) from exc
+        try:
+            return signature.bind(*args, **kwargs)
+        except TypeError:
+            continue
+    return None
+
+
 class MutexContext:
     """What :func:`mutex` returns; see there."""
 
@@ -59,6 +83,10 @@ class MutexContext:
             validate_ttl(options["ttl"])
         if options.get("timeout", DEFAULT) is not DEFAULT:
             validate_timeout(options["timeout"])
+            if options.get("blocking") is False and options["timeout"] is not None:
+                raise ValueError(
+                    "A timeout cannot be given for a non-blocking lock (blocking=False)."
+                )
         self._options = options
         self._active: dict[object, list[Mutex]] = {}
         self._active_lock = threading.Lock()
@@ -123,10 +151,9 @@ class MutexContext:
         fields = _placeholders(template)
         if not fields:
             return template.replace("{{", "{").replace("}}", "}")
-        try:
-            bound = inspect.signature(func).bind(*args, **kwargs)
-        except TypeError:
-            # A wrong call: let the function itself report it, unlocked and unchanged.
+        bound = _bind(func, args, kwargs)
+        if bound is None:
+            # A call the function cannot accept: let it raise its own TypeError.
             return ""
         bound.apply_defaults()
         values: dict[str, Any] = {}

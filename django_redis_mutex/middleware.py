@@ -7,11 +7,14 @@ later", so :class:`MutexMiddleware` answers ``503 Service Unavailable`` with a
 ``Retry-After`` header instead. Browsers (an ``Accept`` header naming
 ``text/html``) get the page ``django_redis_mutex/503.html``; everything else
 gets JSON. Every other exception passes through untouched.
+
+Django logs every 5xx on ``django.request`` at ERROR, which mails the admins.
+Contention is the lock doing its job, so its 503 is logged at WARNING (like a
+4xx); an unreachable Redis stays an ERROR, with the cause in the message.
 """
 
 from __future__ import annotations
 
-import logging
 import math
 from collections.abc import Awaitable, Callable
 from typing import Any
@@ -21,12 +24,11 @@ from django.http import HttpRequest, HttpResponse, JsonResponse
 from django.template.loader import render_to_string
 from django.utils.cache import add_never_cache_headers, patch_vary_headers
 from django.utils.http import parse_header_parameters
+from django.utils.log import log_response
 
 from .exceptions import LockBackendUnavailable, LockContended
 
-__all__ = ["MutexMiddleware"]
-
-logger = logging.getLogger("django_redis_mutex")
+__all__ = ["MutexMiddleware", "wants_html"]
 
 
 def _quality(params: dict[str, str]) -> float:
@@ -95,16 +97,31 @@ class MutexMiddleware:
         """
         if isinstance(exception, LockContended):
             retry_after = max(1, math.ceil(exception.retry_after))
-            logger.info("503 for %s: lock %r is held; retry after %ss.",
-                        request.path, exception.name, retry_after)
-            return self.unavailable(request, lock=exception.name, retry_after=retry_after)
+            response = self.unavailable(request, lock=exception.name, retry_after=retry_after)
+            # Contention is the lock doing its job, not a server error: log it
+            # like a 4xx, so error mail (AdminEmailHandler) is not sent for it.
+            log_response(
+                "Service Unavailable (lock %r is held, retry after %ss): %s",
+                exception.name, retry_after, request.path,
+                response=response, request=request, level="warning",
+            )
+            return response
         if isinstance(exception, LockBackendUnavailable):
-            # The lock name may be the caller's own data; the cause is in the log.
-            logger.warning("503 for %s: %s", request.path, exception)
-            return self.unavailable(request, lock=None, retry_after=self.unavailable_retry_after)
+            # Redis itself is the problem, not one lock: the body names none,
+            # and the error log keeps the cause.
+            response = self.unavailable(
+                request, lock=None, retry_after=self.unavailable_retry_after
+            )
+            log_response(
+                "Service Unavailable: %s: %s", request.path, exception,
+                response=response, request=request, level="error",
+            )
+            return response
         return None
 
-    def unavailable(self, request: HttpRequest, *, lock: str | None, retry_after: int) -> HttpResponse:
+    def unavailable(
+        self, request: HttpRequest, *, lock: str | None, retry_after: int
+    ) -> HttpResponse:
         """Build the 503 response: HTML for browsers, JSON for everyone else.
 
         ``lock`` is the name of the contended lock, or None when Redis itself

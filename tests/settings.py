@@ -32,6 +32,7 @@ INSTALLED_APPS = [
     "django.contrib.contenttypes",
     "django.contrib.sessions",
     "django.contrib.messages",
+    "django.contrib.staticfiles",
     "django_redis_mutex",
     "tests.testapp",
 ]
@@ -42,6 +43,7 @@ MIDDLEWARE = [
     "django.middleware.csrf.CsrfViewMiddleware",
     "django.contrib.auth.middleware.AuthenticationMiddleware",
     "django.contrib.messages.middleware.MessageMiddleware",
+    "django_redis_mutex.middleware.MutexMiddleware",
 ]
 
 ROOT_URLCONF = "tests.urls"
@@ -64,4 +66,5 @@ TEMPLATES = [
 ]
 
 DEFAULT_AUTO_FIELD = "django.db.models.AutoField"
+STATIC_URL = "static/"  # the admin's CSS and JS, served by live_server in browser tests
 LOGGING_CONFIG = None

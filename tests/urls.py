@@ -1,4 +1,21 @@
 from django.contrib import admin
 from django.urls import path
 
-urlpatterns = [path("admin/", admin.site.urls)]
+from tests.testapp import views
+
+urlpatterns = [
+    path("admin/", admin.site.urls),
+    path("report/", views.report),
+    path("async-report/", views.async_report),
+    path("orders/<int:order_id>/", views.order),
+    path("missing-placeholder/", views.missing_placeholder),
+    path("items/<int:pk>/", views.ItemView.as_view()),
+    path("decorated-items/<int:pk>/", views.DecoratedItemView.as_view()),
+    path("async-items/<int:pk>/", views.AsyncItemView.as_view()),
+    path("counters/<int:pk>/bump/", views.bump),
+    path("busy/", views.busy),
+    path("async-busy/", views.async_busy),
+    path("unavailable/", views.unavailable),
+    path("async-unavailable/", views.async_unavailable),
+    path("fail/<str:kind>/", views.fail),
+]

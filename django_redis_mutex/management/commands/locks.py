@@ -133,7 +133,8 @@ class Command(BaseCommand):
         widths = [max(len(row[i]) for row in [COLUMNS, *rows]) for i in range(len(COLUMNS))]
 
         def line(cells: tuple[str, ...]) -> str:
-            return "  ".join(cell.ljust(width) for cell, width in zip(cells, widths)).rstrip()
+            padded = (cell.ljust(width) for cell, width in zip(cells, widths, strict=True))
+            return "  ".join(padded).rstrip()
 
         self.stdout.write(self.style.MIGRATE_HEADING(line(COLUMNS)))
         for row in rows:
@@ -164,4 +165,5 @@ class Command(BaseCommand):
             self.stdout.write("Reset cancelled.")
             return
         count = reset_all(using=alias)
-        self.stdout.write(self.style.SUCCESS(f"Released {_plural(count, 'lock')} in cache {alias!r}."))
+        released = f"Released {_plural(count, 'lock')} in cache {alias!r}."
+        self.stdout.write(self.style.SUCCESS(released))

@@ -1,0 +1,198 @@
+"""The four lock signals: each is sent once, by the alias, with its documented kwargs."""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import pytest
+from django.dispatch import Signal
+
+from django_redis_mutex import LockLost, LockNotOwned, Mutex, held_locks, mutex, reset
+from django_redis_mutex.signals import lock_acquired, lock_contended, lock_lost, lock_released
+
+
+class Received(list[dict[str, Any]]):
+    """Every send of one signal: sender, kwargs (without ``signal``) and the sending thread."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.arrived = threading.Event()
+
+    def __call__(self, sender: Any, signal: Signal, **kwargs: Any) -> None:
+        self.append({"sender": sender, "kwargs": kwargs, "thread": threading.current_thread()})
+        self.arrived.set()
+
+
+@pytest.fixture
+def receive() -> Iterator[Callable[[Signal], Received]]:
+    """Return a function connecting a recorder to a signal for the rest of the test."""
+    connected: list[tuple[Signal, Received]] = []
+
+    def connect(signal: Signal) -> Received:
+        received = Received()
+        signal.connect(received, weak=False)
+        connected.append((signal, received))
+        return received
+
+    yield connect
+    for signal, received in connected:
+        signal.disconnect(received)
+
+
+@contextmanager
+def held_elsewhere(name: str, **options: Any) -> Iterator[Mutex]:
+    """Hold ``name`` from another thread (another owner) until the block ends."""
+    lock = Mutex(name, **options)
+    thread = threading.Thread(target=lock.acquire, kwargs={"blocking": False})
+    thread.start()
+    thread.join()
+    assert lock.owned()
+    try:
+        yield lock
+    finally:
+        if lock.owned():
+            lock.release()
+
+
+def wait_until(predicate: Callable[[], bool], timeout: float = 5.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, "condition not reached in time"
+        time.sleep(0.005)
+
+
+def test_lock_acquired_is_sent_with_name_fence_and_wait(receive: Any) -> None:
+    acquired = receive(lock_acquired)
+    with mutex("inventory") as lock:
+        fence = lock.fence
+    [call] = acquired
+    assert call["sender"] == "default"
+    assert set(call["kwargs"]) == {"name", "fence", "wait"}
+    assert call["kwargs"]["name"] == "inventory"
+    assert call["kwargs"]["fence"] == fence
+    assert 0 <= call["kwargs"]["wait"] < 1
+
+
+def test_lock_acquired_wait_counts_the_time_spent_queued(receive: Any) -> None:
+    holder = Mutex("inventory")
+    assert holder.acquire()
+    acquired = receive(lock_acquired)
+    started = time.monotonic()
+
+    def wait_then_release() -> None:
+        with mutex("inventory"):
+            pass
+
+    waiter = threading.Thread(target=wait_then_release)
+    waiter.start()
+    wait_until(lambda: held_locks()[0].waiters == 1)
+    # Keep the waiter queued a while longer, so its wait is clearly more than a round trip.
+    threading.Event().wait(0.2)
+    queued_for = time.monotonic() - started
+    holder.release()
+    waiter.join(5)
+    [call] = acquired
+    assert call["thread"] is waiter
+    assert queued_for - 0.05 <= call["kwargs"]["wait"] <= queued_for + 2
+
+
+def test_lock_released_is_sent_with_name_fence_and_time_held(receive: Any) -> None:
+    released = receive(lock_released)
+    before = time.monotonic()
+    with mutex("inventory") as lock:
+        fence = lock.fence
+        assert released == []
+    elapsed = time.monotonic() - before
+    [call] = released
+    assert call["sender"] == "default"
+    assert set(call["kwargs"]) == {"name", "fence", "held"}
+    assert call["kwargs"]["name"] == "inventory"
+    assert call["kwargs"]["fence"] == fence
+    assert 0 <= call["kwargs"]["held"] <= elapsed
+
+
+def test_lock_contended_is_sent_with_retry_after_and_owner(receive: Any) -> None:
+    contended = receive(lock_contended)
+    with held_elsewhere("inventory", ttl=9, label="stock import"):
+        assert not Mutex("inventory").acquire(blocking=False)
+    [call] = contended
+    assert call["sender"] == "default"
+    assert set(call["kwargs"]) == {"name", "wait", "retry_after", "owner"}
+    assert call["kwargs"]["name"] == "inventory"
+    assert 0 <= call["kwargs"]["wait"] < 1
+    assert 7 <= call["kwargs"]["retry_after"] <= 9
+    owner = call["kwargs"]["owner"]
+    assert owner["label"] == "stock import"
+    assert owner["pid"] == os.getpid()
+
+
+def test_lock_contended_wait_is_the_time_spent_before_giving_up(receive: Any) -> None:
+    contended = receive(lock_contended)
+    with held_elsewhere("inventory"):
+        assert not Mutex("inventory", timeout=0.3).acquire()
+    [call] = contended
+    assert 0.3 <= call["kwargs"]["wait"] < 3
+
+
+def test_lock_contended_is_not_sent_when_the_lock_is_had(receive: Any) -> None:
+    contended = receive(lock_contended)
+    with mutex("inventory"):
+        pass
+    assert contended == []
+
+
+def test_lock_lost_is_sent_when_the_block_ends_without_the_lock(receive: Any) -> None:
+    lost = receive(lock_lost)
+    released = receive(lock_released)
+    with pytest.raises(LockLost), mutex("inventory", watchdog=False) as lock:
+        fence = lock.fence
+        assert reset("inventory")
+    [call] = lost
+    assert call["sender"] == "default"
+    assert set(call["kwargs"]) == {"name", "fence", "held"}
+    assert call["kwargs"]["name"] == "inventory"
+    assert call["kwargs"]["fence"] == fence
+    assert call["kwargs"]["held"] >= 0
+    assert call["thread"] is threading.current_thread()
+    assert released == []
+
+
+def test_lock_lost_is_sent_once_from_the_watchdog_when_renewal_fails(receive: Any) -> None:
+    lost = receive(lock_lost)
+    lock = Mutex("inventory", ttl=0.3)
+    assert lock.acquire()
+    assert reset("inventory")
+    assert lost.arrived.wait(5), "the watchdog did not report the loss"
+    [call] = lost
+    assert call["thread"] is not threading.current_thread()
+    assert call["kwargs"]["name"] == "inventory"
+    assert call["kwargs"]["fence"] == lock.fence
+    with pytest.raises(LockNotOwned):
+        lock.release()
+    assert len(lost) == 1
+
+
+def test_signals_are_sent_by_the_cache_alias(
+    receive: Any, settings: Any, mutex_prefix: str
+) -> None:
+    settings.CACHES = {
+        **settings.CACHES,
+        "locks": {**settings.CACHES["default"], "MUTEX": {"PREFIX": mutex_prefix}},
+    }
+    acquired, released = receive(lock_acquired), receive(lock_released)
+    with mutex("inventory", using="locks"):
+        pass
+    assert [call["sender"] for call in acquired + released] == ["locks", "locks"]
+
+
+def test_reentrant_acquisition_sends_no_second_pair(receive: Any) -> None:
+    acquired, released = receive(lock_acquired), receive(lock_released)
+    with mutex("inventory"), mutex("inventory"):
+        pass
+    assert len(acquired) == 1
+    assert len(released) == 1

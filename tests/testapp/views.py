@@ -1,0 +1,98 @@
+"""Views guarded by ``@mutex``, for the decorator and middleware tests.
+
+Each guarded view answers with the names of the locks held while it ran, so a
+test can see that the right lock (with its name filled from the URL) was held.
+"""
+
+from __future__ import annotations
+
+from asgiref.sync import sync_to_async
+from django.http import HttpRequest, JsonResponse
+from django.utils.decorators import method_decorator
+from django.views import View
+
+from django_redis_mutex import LockError, LockLost, LockNotOwned, held_locks, mutex
+
+from .models import Counter
+
+
+def held_now() -> JsonResponse:
+    return JsonResponse({"held": [lock.name for lock in held_locks()]})
+
+
+@mutex("report")
+def report(request: HttpRequest) -> JsonResponse:
+    return held_now()
+
+
+@mutex("report")
+async def async_report(request: HttpRequest) -> JsonResponse:
+    return await sync_to_async(held_now)()
+
+
+@mutex("order:{order_id}")
+def order(request: HttpRequest, order_id: int) -> JsonResponse:
+    return held_now()
+
+
+@mutex("order:{order_id}")
+def missing_placeholder(request: HttpRequest) -> JsonResponse:
+    return held_now()
+
+
+class ItemView(View):
+    @mutex("item:{pk}")
+    def get(self, request: HttpRequest, pk: int) -> JsonResponse:
+        return held_now()
+
+
+@method_decorator(mutex("item:{pk}"), name="get")
+class DecoratedItemView(View):
+    def get(self, request: HttpRequest, pk: int) -> JsonResponse:
+        return held_now()
+
+
+class AsyncItemView(View):
+    @mutex("item:{pk}")
+    async def get(self, request: HttpRequest, pk: int) -> JsonResponse:
+        return await sync_to_async(held_now)()
+
+
+@mutex("counter:{pk}")
+def bump(request: HttpRequest, pk: int) -> JsonResponse:
+    """Take the same lock Counter.bump takes, then call it: reentrancy, not deadlock."""
+    value = Counter.objects.get(pk=pk).bump()
+    return JsonResponse({"value": value})
+
+
+@mutex("busy", blocking=False)
+def busy(request: HttpRequest) -> JsonResponse:
+    return held_now()
+
+
+@mutex("busy", blocking=False)
+async def async_busy(request: HttpRequest) -> JsonResponse:
+    return await sync_to_async(held_now)()
+
+
+@mutex("flaky", using="down")
+def unavailable(request: HttpRequest) -> JsonResponse:
+    """Guarded by a lock on the test's "down" alias, whose Redis does not answer."""
+    return JsonResponse({"ran": True})
+
+
+@mutex("flaky", using="down")
+async def async_unavailable(request: HttpRequest) -> JsonResponse:
+    return JsonResponse({"ran": True})
+
+
+ERRORS: dict[str, Exception] = {
+    "value": ValueError("not a lock problem"),
+    "lost": LockLost("Lock 'x' was lost while the block ran.", name="x"),
+    "not-owned": LockNotOwned("Cannot release lock 'x'.", name="x"),
+    "lock-error": LockError("Some other lock problem.", name="x"),
+}
+
+
+def fail(request: HttpRequest, kind: str) -> JsonResponse:
+    raise ERRORS[kind]
