@@ -11,6 +11,8 @@ from __future__ import annotations
 from django.db import models
 from django.utils.translation import gettext_lazy as _
 
+from .keys import MAX_NAME_LENGTH
+
 __all__ = ["Lock"]
 
 
@@ -22,7 +24,7 @@ class Lock(models.Model):
     :func:`django_redis_mutex.introspection.held_locks`.
     """
 
-    name = models.CharField(_("name"), max_length=1024, primary_key=True)
+    name = models.CharField(_("name"), max_length=MAX_NAME_LENGTH, primary_key=True)
 
     class Meta:
         managed = False

@@ -17,10 +17,11 @@ from django.conf import settings
 from django.contrib import messages
 from django.contrib.admin.models import DELETION, LogEntry
 from django.contrib.contenttypes.models import ContentType
-from django.core.exceptions import PermissionDenied
-from django.http import HttpRequest, HttpResponse, HttpResponseRedirect
+from django.core.exceptions import ImproperlyConfigured, PermissionDenied
+from django.http import HttpRequest, HttpResponse, HttpResponseNotAllowed, HttpResponseRedirect
 from django.template.response import TemplateResponse
 from django.urls import reverse
+from django.utils.module_loading import import_string
 from django.utils.translation import gettext as _
 from django.utils.translation import ngettext
 from redis.exceptions import RedisError
@@ -49,13 +50,20 @@ class _AliasError(Exception):
 
 
 def lock_aliases() -> list[str]:
-    """Return the cache aliases that can carry locks: those using django-redis."""
-    from django.core.cache import caches
+    """Return the cache aliases that can carry locks: those using django-redis (or a subclass)."""
     from django_redis.cache import RedisCache
 
     aliases = []
     for alias, entry in getattr(settings, "CACHES", {}).items():
-        if entry.get("BACKEND") in REDIS_BACKENDS or isinstance(caches[alias], RedisCache):
+        backend = entry.get("BACKEND", "")
+        if backend in REDIS_BACKENDS:
+            aliases.append(alias)
+            continue
+        try:
+            backend_class = import_string(backend)
+        except ImportError:
+            continue  # not importable here, so certainly not a lock store
+        if isinstance(backend_class, type) and issubclass(backend_class, RedisCache):
             aliases.append(alias)
     return aliases
 
@@ -175,6 +183,9 @@ def lock_list(request: HttpRequest, model_admin: LockAdmin,
         except _REDIS_FAILURES as exc:
             context["error"] = _unavailable(using, exc)
             status = 503
+        except ImproperlyConfigured as exc:  # e.g. a sharded client, which cannot hold locks
+            context["error"] = str(exc)
+            status = 404
         else:
             matching = [h for h in found if query.casefold() in h.name.casefold()]
             context["locks"] = [_row(h, release_url, using) for h in matching]
@@ -224,6 +235,8 @@ def _log_release(request: HttpRequest, name: str, using: str, held: HeldLock | N
 
 def release_locks(request: HttpRequest, model_admin: LockAdmin) -> HttpResponse:
     """Confirm (GET) and perform (POST) the force-release of the named locks."""
+    if request.method not in ("GET", "HEAD", "POST"):
+        return HttpResponseNotAllowed(["GET", "HEAD", "POST"])
     if not (model_admin.has_view_permission(request)
             and model_admin.has_release_permission(request)):
         raise PermissionDenied
@@ -234,7 +247,7 @@ def release_locks(request: HttpRequest, model_admin: LockAdmin) -> HttpResponse:
         using = _chosen_alias(request, lock_aliases())
     except _AliasError as exc:
         context = _base_context(request, model_admin, _("Release locks"))
-        context.update(error=str(exc), locks=[], names=[])
+        context.update(error=str(exc), locks=[])
         request.current_app = model_admin.admin_site.name
         return TemplateResponse(request, "django_redis_mutex/admin/release.html", context,
                                 status=404)
@@ -247,6 +260,9 @@ def release_locks(request: HttpRequest, model_admin: LockAdmin) -> HttpResponse:
         held = {h.name: h for h in held_locks(using) if h.name in names}
     except _REDIS_FAILURES as exc:
         messages.error(request, _unavailable(using, exc))
+        return HttpResponseRedirect(back)
+    except ImproperlyConfigured as exc:
+        messages.error(request, str(exc))
         return HttpResponseRedirect(back)
 
     if request.method == "POST":

@@ -13,7 +13,8 @@ class Migration(migrations.Migration):
         migrations.CreateModel(
             name='Lock',
             fields=[
-                ('name', models.CharField(max_length=1024, primary_key=True, serialize=False, verbose_name='name')),
+                ('name', models.CharField(
+                    max_length=1024, primary_key=True, serialize=False, verbose_name='name')),
             ],
             options={
                 'verbose_name': 'lock',

@@ -1,0 +1,344 @@
+"""The admin's Locks page: live from Redis, guarded by permissions, releases with history."""
+
+from __future__ import annotations
+
+import copy
+import os
+import re
+import select
+import subprocess
+import sys
+from collections.abc import Callable, Iterator
+
+import pytest
+from django.conf import settings
+from django.contrib.admin.models import DELETION, LogEntry
+from django.contrib.auth.models import Permission
+from django.contrib.contenttypes.models import ContentType
+from django.test import Client, override_settings
+
+from django_redis_mutex import Mutex, mutex
+from django_redis_mutex.models import Lock
+from django_redis_mutex.testing import free_port
+
+from .conftest import ROOT
+
+pytestmark = pytest.mark.django_db
+
+LIST_URL = "/admin/django_redis_mutex/lock/"
+RELEASE_URL = LIST_URL + "release/"
+
+
+def _login(django_user_model, *codenames: str, csrf: bool = False) -> Client:
+    """Return a client logged in as a staff user holding the given Lock permissions."""
+    user = django_user_model.objects.create_user(
+        username="staff-" + "-".join(codenames), is_staff=True)  # no password: no slow hashing
+    user.user_permissions.set(Permission.objects.filter(
+        content_type__app_label="django_redis_mutex", codename__in=codenames))
+    client = Client(enforce_csrf_checks=csrf)
+    client.force_login(user)
+    return client
+
+
+@pytest.fixture
+def superuser(django_user_model) -> Client:
+    client = Client()
+    client.force_login(django_user_model.objects.create_superuser("root", password=None))
+    return client
+
+
+@pytest.fixture
+def viewer(django_user_model) -> Client:
+    return _login(django_user_model, "view_lock")
+
+
+@pytest.fixture
+def releaser(django_user_model) -> Client:
+    return _login(django_user_model, "view_lock", "release_lock", csrf=True)
+
+
+@pytest.fixture
+def hold() -> Iterator[Callable[..., Mutex]]:
+    """Return a function taking a lock for a test that may force-release it.
+
+    No watchdog, so nothing renews a lock the test released behind its holder's
+    back; whatever is still ours at the end is released.
+    """
+    taken: list[Mutex] = []
+
+    def take(lock_name: str, **options: object) -> Mutex:
+        lock = Mutex(lock_name, watchdog=False, ttl=60, **options)
+        assert lock.acquire(blocking=False)
+        taken.append(lock)
+        return lock
+
+    yield take
+    for lock in taken:
+        if lock.owned():
+            lock.release()
+
+
+def _rows(response) -> dict[str, dict]:
+    return {row["name"]: row for row in response.context["locks"]}
+
+
+def _csrf_token(html: str) -> str:
+    found = re.search(r'name="csrfmiddlewaretoken" value="([^"]+)"', html)
+    assert found, "the confirmation page has no CSRF token"
+    return found.group(1)
+
+
+# -- who may look --------------------------------------------------------------
+
+
+def test_anonymous_user_is_sent_to_admin_login(client):
+    response = client.get(LIST_URL)
+    assert response.status_code == 302
+    assert response["Location"].startswith("/admin/login/?next=")
+
+
+def test_staff_without_view_permission_is_forbidden(django_user_model):
+    staff = _login(django_user_model)
+    with mutex("secret-job"):
+        response = staff.get(LIST_URL)
+    assert response.status_code == 403
+    assert b"secret-job" not in response.content
+
+
+def test_admin_index_links_to_locks_page(superuser):
+    response = superuser.get("/admin/")
+    assert response.status_code == 200
+    assert f'href="{LIST_URL}"'.encode() in response.content
+
+
+def test_locks_cannot_be_added_through_admin(superuser):
+    assert superuser.get(LIST_URL + "add/").status_code == 404
+
+
+# -- what the list shows -------------------------------------------------------
+
+
+def test_viewer_sees_held_lock_with_owner_label(viewer):
+    with mutex("reports:nightly", label="nightly report") as lock:
+        fence = lock.fence
+        response = viewer.get(LIST_URL)
+    assert response.status_code == 200
+    row = _rows(response)["reports:nightly"]
+    assert row["label"] == "nightly report"
+    assert row["pid"] == os.getpid()
+    assert row["fence"] == fence
+    assert b"nightly report" in response.content
+
+
+HOLDER = """
+import sys
+import django
+django.setup()
+from django_redis_mutex import mutex
+with mutex(sys.argv[1], label="worker process"):
+    print("held", flush=True)
+    sys.stdin.readline()
+"""
+
+
+@pytest.fixture
+def held_by_subprocess() -> Iterator[tuple[str, int]]:
+    """Hold lock "imports" in a real OS process until the test ends."""
+    env = dict(os.environ, DJANGO_SETTINGS_MODULE="tests.settings", PYTHONPATH=str(ROOT))
+    proc = subprocess.Popen([sys.executable, "-c", HOLDER, "imports"], env=env, cwd=ROOT,
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    assert proc.stdout is not None and proc.stdin is not None
+    ready, _, _ = select.select([proc.stdout], [], [], 60)
+    assert ready and proc.stdout.readline().strip() == "held"
+    yield "imports", proc.pid
+    proc.communicate("done\n", timeout=30)
+    assert proc.returncode == 0
+
+
+def test_lock_held_by_another_process_shows_its_pid(viewer, held_by_subprocess):
+    name, pid = held_by_subprocess
+    row = _rows(viewer.get(LIST_URL))[name]
+    assert row["pid"] == pid != os.getpid()
+    assert row["label"] == "worker process"
+
+
+def test_search_shows_only_matching_names(viewer):
+    with mutex("orders:17"), mutex("reports:daily"):
+        response = viewer.get(LIST_URL, {"q": "ORDERS"})
+    assert list(_rows(response)) == ["orders:17"]
+    assert response.context["total"] == 2
+    assert b"reports:daily" not in response.content
+
+
+def test_page_refreshes_itself_unless_paused(viewer):
+    live = viewer.get(LIST_URL)
+    paused = viewer.get(LIST_URL, {"refresh": "0"})
+    assert b'http-equiv="refresh"' in live.content
+    assert b'http-equiv="refresh"' not in paused.content
+    assert b"Resume auto-refresh" in paused.content
+
+
+# -- cache aliases ---------------------------------------------------------------
+
+
+@pytest.fixture
+def second_alias(mutex_prefix: str) -> Iterator[str]:
+    """Add cache alias "locks" on the same server with its own lock namespace, and a LocMem one."""
+    caches = copy.deepcopy(settings.CACHES)
+    caches["locks"] = {**copy.deepcopy(caches["default"]),
+                       "MUTEX": {"PREFIX": mutex_prefix + "-second"}}
+    caches["local"] = {"BACKEND": "django.core.cache.backends.locmem.LocMemCache"}
+    with override_settings(CACHES=caches):
+        yield "locks"
+
+
+def test_alias_selector_offers_only_redis_caches(viewer, second_alias):
+    response = viewer.get(LIST_URL)
+    assert response.context["aliases"] == ["default", "locks"]
+    assert b'id="alias-selector"' in response.content
+
+
+def test_using_shows_locks_of_chosen_alias(viewer, second_alias):
+    with mutex("in-second", using=second_alias), mutex("in-default"):
+        second = viewer.get(LIST_URL, {"using": second_alias})
+        default = viewer.get(LIST_URL)
+    assert list(_rows(second)) == ["in-second"]
+    assert list(_rows(default)) == ["in-default"]
+
+
+def test_unknown_alias_is_explained_not_a_server_error(viewer, second_alias):
+    for alias in ("nope", "local"):
+        response = viewer.get(LIST_URL, {"using": alias})
+        assert response.status_code == 404
+        assert f"Cache alias “{alias}” does not carry locks".encode() in response.content
+        assert b"default, locks" in response.content
+
+
+def test_lock_names_are_escaped_in_the_page(viewer):
+    with mutex("<script>alert(1)</script>", label="<b>label</b>"):
+        response = viewer.get(LIST_URL)
+    assert b"<script>alert(1)</script>" not in response.content
+    assert b"&lt;script&gt;alert(1)&lt;/script&gt;" in response.content
+    assert b"&lt;b&gt;label&lt;/b&gt;" in response.content
+
+
+# -- Redis down --------------------------------------------------------------------
+
+
+@pytest.fixture
+def redis_down() -> Iterator[None]:
+    """Point the default cache at a port nothing listens on."""
+    caches = copy.deepcopy(settings.CACHES)
+    caches["default"]["LOCATION"] = f"redis://127.0.0.1:{free_port()}/0"
+    with override_settings(CACHES=caches):
+        yield
+
+
+def test_unreachable_redis_is_explained_on_the_page(viewer, redis_down):
+    response = viewer.get(LIST_URL)
+    assert response.status_code == 503
+    assert "could not be read" in response.context["error"]
+    assert b'id="lock-error"' in response.content
+
+
+def test_release_with_unreachable_redis_returns_to_list_with_explanation(releaser, redis_down):
+    response = releaser.get(RELEASE_URL, {"name": "batch"}, follow=True)
+    [message] = [str(m) for m in response.context["messages"]]
+    assert "could not be read" in message
+    assert response.status_code == 503
+
+
+# -- releasing -----------------------------------------------------------------------
+
+
+def test_viewer_without_release_permission_sees_no_release_controls(viewer):
+    with mutex("guarded"):
+        response = viewer.get(LIST_URL)
+    assert "guarded" in _rows(response)
+    assert b"Release selected locks" not in response.content
+    assert RELEASE_URL.encode() not in response.content
+
+
+def test_releaser_gets_a_release_link_per_lock(releaser, hold):
+    hold("orders:9")
+    [row] = _rows(releaser.get(LIST_URL)).values()
+    assert row["release_url"] == RELEASE_URL + "?using=default&name=orders%3A9"
+    page = releaser.get(row["release_url"])
+    assert [r["name"] for r in page.context["locks"]] == ["orders:9"]
+
+
+@pytest.mark.parametrize("method", ["get", "post"])
+def test_viewer_without_release_permission_is_forbidden_to_release(viewer, method, hold):
+    lock = hold("guarded")
+    response = getattr(viewer, method)(RELEASE_URL, {"name": "guarded"})
+    assert response.status_code == 403
+    assert lock.locked() and lock.owned()
+
+
+def test_release_confirmation_lists_lock_and_keeps_it(releaser, hold):
+    lock = hold("batch", label="batch job")
+    response = releaser.get(RELEASE_URL, {"name": "batch"})
+    assert response.status_code == 200
+    assert [row["name"] for row in response.context["locks"]] == ["batch"]
+    assert b"batch job" in response.content
+    assert b'name="csrfmiddlewaretoken"' in response.content
+    assert lock.owned()
+
+
+def test_release_in_unknown_alias_is_explained(releaser):
+    response = releaser.get(RELEASE_URL, {"name": "batch", "using": "nope"})
+    assert response.status_code == 404
+    assert "Cache alias “nope” does not carry locks" in response.context["error"]
+
+
+def test_release_post_without_csrf_token_is_rejected(releaser, hold):
+    lock = hold("batch")
+    response = releaser.post(RELEASE_URL, {"name": "batch"})
+    assert response.status_code == 403
+    assert lock.owned()
+
+
+def test_confirmed_release_frees_lock(releaser, hold):
+    hold("batch")
+    token = _csrf_token(releaser.get(RELEASE_URL, {"name": "batch"}).content.decode())
+    response = releaser.post(RELEASE_URL, {"name": "batch", "csrfmiddlewaretoken": token})
+    assert response.status_code == 302
+    assert response["Location"] == LIST_URL + "?using=default"
+    assert not Mutex("batch").locked()
+
+
+def test_confirmed_release_is_recorded_in_admin_history(releaser, hold):
+    lock = hold("batch", label="batch job")
+    fence = lock.fence
+    token = _csrf_token(releaser.get(RELEASE_URL, {"name": "batch"}).content.decode())
+    releaser.post(RELEASE_URL, {"name": "batch", "csrfmiddlewaretoken": token})
+    entry = LogEntry.objects.get()
+    assert entry.action_flag == DELETION
+    assert entry.content_type == ContentType.objects.get_for_model(Lock)
+    assert entry.object_repr == "batch"
+    assert entry.user.username == "staff-view_lock-release_lock"
+    assert f"fence {fence}" in entry.change_message
+    assert "label=batch job" in entry.change_message
+
+
+def test_release_of_selection_frees_each_and_reports_count(releaser, hold):
+    for name in ("a", "b", "c"):
+        hold(name)
+    names = {"name": ["a", "c"]}
+    page = releaser.get(RELEASE_URL, names)
+    assert [row["name"] for row in page.context["locks"]] == ["a", "c"]
+    response = releaser.post(RELEASE_URL, {**names, "csrfmiddlewaretoken": _csrf_token(
+        page.content.decode())}, follow=True)
+    assert [str(m) for m in response.context["messages"]] == ["Released 2 locks."]
+    assert list(_rows(response)) == ["b"]
+    assert LogEntry.objects.count() == 2
+
+
+def test_release_of_lock_no_longer_held_says_so(releaser, hold):
+    lock = hold("batch")
+    page = releaser.get(RELEASE_URL, {"name": "batch"})
+    lock.release()
+    response = releaser.post(RELEASE_URL, {"name": "batch", "csrfmiddlewaretoken": _csrf_token(
+        page.content.decode())}, follow=True)
+    assert [str(m) for m in response.context["messages"]] == ["1 lock was no longer held."]
+    assert not LogEntry.objects.exists()

@@ -1,0 +1,138 @@
+"""The Locks admin page in a real browser: Debian's chromium, headless, driven by Playwright.
+
+The browser is the system one at /usr/bin/chromium (``.ci/run`` installs it);
+Playwright never downloads one. Playwright's sync API keeps an event loop
+running on the test's thread while it is open, and Django refuses ORM calls
+under a running loop, so each test touches the ORM and its locks only before
+the browser starts or after it closed; the pages are served by ``live_server``
+in its own thread.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+import os
+from pathlib import Path
+from typing import Any
+
+import pytest
+from django.contrib.admin.models import DELETION, LogEntry
+
+from django_redis_mutex import Mutex
+
+from .conftest import ROOT
+
+pytestmark = pytest.mark.browser
+
+CHROMIUM = Path("/usr/bin/chromium")
+CHROMIUM_ARGS = [
+    "--no-sandbox", "--disable-gpu", "--disable-background-networking",
+    "--disable-component-update", "--disable-sync", "--no-first-run",
+]
+LIST_URL = "/admin/django_redis_mutex/lock/"
+# README's picture; rewritten only when asked, so a test run leaves the tree clean.
+README_SCREENSHOT = ROOT / "docs" / "admin-locks.png"
+PASSWORD = "browser-test"
+
+
+@pytest.fixture
+def playwright_api() -> Any:
+    """Return playwright.sync_api, or skip when no chromium can be had here."""
+    if not CHROMIUM.exists():
+        pytest.skip(f"No chromium at {CHROMIUM}: install Debian's (apt-get install -y chromium); "
+                    ".ci/run does so on a fresh machine.")
+    return pytest.importorskip("playwright.sync_api")
+
+
+@pytest.fixture
+def admin_user(transactional_db, django_user_model) -> str:
+    """Create a superuser who logs in through the form; return its username."""
+    django_user_model.objects.create_superuser("admin", "admin@example.com", PASSWORD)
+    return "admin"
+
+
+@pytest.fixture
+def hold() -> Iterator[Any]:
+    """Return a function taking a lock (no watchdog); release what is still ours at the end."""
+    taken: list[Mutex] = []
+
+    def take(name: str, label: str) -> Mutex:
+        lock = Mutex(name, label=label, ttl=120, watchdog=False)
+        assert lock.acquire(blocking=False)
+        taken.append(lock)
+        return lock
+
+    yield take
+    for lock in taken:
+        if lock.owned():
+            lock.release()
+
+
+@contextmanager
+def logged_in_page(api: Any, base_url: str, username: str, *,
+                   javascript: bool = True) -> Iterator[Any]:
+    """Open headless chromium, log in to the admin and yield a page on the Locks list."""
+    with api.sync_playwright() as pw:
+        browser = pw.chromium.launch(executable_path=str(CHROMIUM), headless=True,
+                                     args=CHROMIUM_ARGS)
+        try:
+            context = browser.new_context(viewport={"width": 1400, "height": 640},
+                                          java_script_enabled=javascript)
+            page = context.new_page()
+            page.goto(f"{base_url}/admin/login/?next={LIST_URL}")
+            page.fill("#id_username", username)
+            page.fill("#id_password", PASSWORD)
+            page.click("input[type=submit]")
+            api.expect(page.locator("h1")).to_have_text("Locks")
+            yield page
+        finally:
+            browser.close()
+
+
+def test_superuser_releases_selected_lock_in_browser(tmp_path, playwright_api, live_server, admin_user,
+                                                     hold):
+    expect = playwright_api.expect
+    hold("exports:nightly", "nightly export")
+    kept = hold("billing:invoices", "monthly invoicing")
+    screenshot = (README_SCREENSHOT if os.environ.get("UPDATE_SCREENSHOTS")
+                  else tmp_path / "admin-locks.png")
+
+    with logged_in_page(playwright_api, live_server.url, admin_user) as page:
+        stale = page.locator('tr[data-lock="exports:nightly"]')
+        expect(stale).to_contain_text("nightly export")
+        expect(page.locator('tr[data-lock="billing:invoices"]')).to_contain_text(
+            "monthly invoicing")
+        expect(page.locator("#select-all-locks")).to_be_visible()  # locks.js was served
+        page.screenshot(path=str(screenshot))
+
+        stale.locator("input.action-select").check()
+        page.click("#release-selected")
+        expect(page.locator("#release-list li")).to_have_count(1)
+        expect(page.locator("#release-list")).to_contain_text("exports:nightly")
+        page.click("#confirm-release")
+
+        expect(page.locator("ul.messagelist")).to_contain_text("Released 1 lock.")
+        expect(stale).to_have_count(0)
+        expect(page.locator('tr[data-lock="billing:invoices"]')).to_have_count(1)
+
+    assert not Mutex("exports:nightly").locked()
+    assert kept.owned()
+    entry = LogEntry.objects.get()
+    assert (entry.object_repr, entry.action_flag) == ("exports:nightly", DELETION)
+    assert screenshot.stat().st_size > 10_000  # a rendered page, not a blank
+
+
+def test_release_link_works_without_javascript(playwright_api, live_server, admin_user, hold):
+    expect = playwright_api.expect
+    hold("imports:daily", "daily import")
+
+    with logged_in_page(playwright_api, live_server.url, admin_user, javascript=False) as page:
+        expect(page.locator("#select-all-locks")).to_be_hidden()  # no script ran
+        page.locator('tr[data-lock="imports:daily"] a.deletelink').click()
+        expect(page.locator("#release-list")).to_contain_text("daily import")
+        page.click("#confirm-release")
+        expect(page.locator("ul.messagelist")).to_contain_text("Released 1 lock.")
+        expect(page.locator("#no-locks")).to_contain_text("No lock is held")
+
+    assert not Mutex("imports:daily").locked()
