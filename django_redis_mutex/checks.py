@@ -8,9 +8,8 @@ from django.conf import settings
 from django.core.checks import Error, Tags, register
 from django.core.exceptions import ImproperlyConfigured
 
+from .client import backend_kind
 from .conf import parse_settings, validate_prefix
-
-REDIS_BACKENDS = ("django_redis.cache.RedisCache",)
 
 
 @register(Tags.caches)
@@ -20,11 +19,12 @@ def check_mutex_settings(app_configs: Any = None, **kwargs: Any) -> list[Error]:
     for alias, entry in getattr(settings, "CACHES", {}).items():
         if "MUTEX" not in entry:
             continue
-        if entry.get("BACKEND") not in REDIS_BACKENDS:
+        if backend_kind(str(entry.get("BACKEND", ""))) is None:
             errors.append(Error(
                 f"CACHES[{alias!r}] has a MUTEX block but BACKEND {entry.get('BACKEND')!r} "
                 "is not a Redis cache.",
-                hint="Use django_redis.cache.RedisCache for caches that carry locks.",
+                hint="Use django_redis.cache.RedisCache or "
+                "django.core.cache.backends.redis.RedisCache for caches that carry locks.",
                 id="django_redis_mutex.E001",
             ))
             continue

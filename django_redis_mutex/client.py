@@ -25,14 +25,20 @@ if TYPE_CHECKING:
     import redis.asyncio
 
 __all__ = [
+    "REDIS_BACKENDS",
     "backend_errors",
+    "backend_kind",
     "clear_clients",
     "get_async_client",
     "get_client",
+    "lock_aliases",
     "namespace",
 ]
 
-REDIS_BACKENDS = ("django_redis.cache.RedisCache",)
+DJANGO_REDIS_BACKEND = "django_redis.cache.RedisCache"
+DJANGO_BUILTIN_BACKEND = "django.core.cache.backends.redis.RedisCache"
+# The cache backends whose raw redis-py client locks can use (subclasses too).
+REDIS_BACKENDS = (DJANGO_REDIS_BACKEND, DJANGO_BUILTIN_BACKEND)
 
 # Failures of the transport, not of a command: the lock could not be asked.
 _UNAVAILABLE = (redis_errors.ConnectionError, redis_errors.TimeoutError, OSError)
@@ -45,36 +51,76 @@ _async_clients: weakref.WeakKeyDictionary[
 _namespaces: dict[str, str] = {}
 
 
-def _check_backend(alias: str) -> None:
-    backend = cache_entry(alias).get("BACKEND", "")
-    if backend in REDIS_BACKENDS:
-        return
-    # A project may subclass django-redis's backend; accept that too.
-    from django.core.cache import caches
-    from django_redis.cache import RedisCache
+def backend_kind(backend: str) -> str | None:
+    """Return "django_redis" or "django" for a Redis cache BACKEND (or a subclass), else None."""
+    if backend == DJANGO_REDIS_BACKEND:
+        return "django_redis"
+    if backend == DJANGO_BUILTIN_BACKEND:
+        return "django"
+    from django.utils.module_loading import import_string
 
-    if not isinstance(caches[alias], RedisCache):
+    try:
+        backend_class = import_string(backend)
+    except ImportError:
+        return None
+    if not isinstance(backend_class, type):
+        return None
+    from django.core.cache.backends.redis import RedisCache as BuiltinRedisCache
+
+    if issubclass(backend_class, BuiltinRedisCache):
+        return "django"
+    try:
+        from django_redis.cache import RedisCache as DjangoRedisCache
+    except ImportError:
+        return None
+    return "django_redis" if issubclass(backend_class, DjangoRedisCache) else None
+
+
+def lock_aliases() -> list[str]:
+    """Return the cache aliases in settings.CACHES that can carry locks."""
+    from django.conf import settings
+
+    return [
+        alias for alias, entry in getattr(settings, "CACHES", {}).items()
+        if backend_kind(str(entry.get("BACKEND", ""))) is not None
+    ]
+
+
+def _check_backend(alias: str) -> str:
+    backend = str(cache_entry(alias).get("BACKEND", ""))
+    kind = backend_kind(backend)
+    if kind is None:
         raise ImproperlyConfigured(
             f"Cache alias {alias!r} uses BACKEND {backend!r}, which is not a Redis cache; "
-            "django-redis-mutex needs 'django_redis.cache.RedisCache'."
+            f"django-redis-mutex needs {DJANGO_REDIS_BACKEND!r} or {DJANGO_BUILTIN_BACKEND!r}."
         )
+    return kind
 
 
-def get_client(alias: str) -> redis.Redis:
-    """Return the raw redis-py client that django-redis holds for ``alias``."""
-    client = _sync_clients.get(alias)
-    if client is not None:
+def _raw_client(alias: str, kind: str) -> redis.Redis:
+    from django.core.cache import caches
+
+    if kind == "django":
+        # Django's own backend: the primary (first LOCATION) takes the writes.
+        client: redis.Redis = caches[alias]._cache.get_client(write=True)  # type: ignore[attr-defined]
         return client
-    _check_backend(alias)
     from django_redis import get_redis_connection
 
     try:
-        client = get_redis_connection(alias, write=True)
+        return get_redis_connection(alias, write=True)
     except NotImplementedError as exc:
         raise ImproperlyConfigured(
             f"Cache alias {alias!r} does not give access to a raw Redis client "
             "(sharded or custom django-redis clients are not supported)."
         ) from exc
+
+
+def get_client(alias: str) -> redis.Redis:
+    """Return the raw redis-py client the cache ``alias`` holds (django-redis or Django's own)."""
+    client = _sync_clients.get(alias)
+    if client is not None:
+        return client
+    client = _raw_client(alias, _check_backend(alias))
     with _lock:
         _sync_clients.setdefault(alias, client)
     return _sync_clients[alias]

@@ -77,6 +77,9 @@ class Hold:
     active: bool = True
     lost: bool = False
     lost_reason: str = ""
+    # When the lease runs out by this process's clock, unless renewed or
+    # extended; a hold past it is never re-entered (Redis may have let it go).
+    expires_at: float = float("inf")
     # Watchdog bookkeeping.
     renew_at: float = 0.0
     max_hold: float | None = None

@@ -151,7 +151,7 @@ class Mutex:
             hold = current_hold(self.using, self.keys.lock)
         else:
             return False
-        if hold is None or hold.lost:
+        if hold is None or hold.lost or hold.expires_at <= time.monotonic():
             return False
         hold.depth += 1
         self._hold = hold
@@ -188,6 +188,7 @@ class Mutex:
             max_hold=self.settings.max_hold,
             raise_on_lost=self.settings.raise_on_lost,
         )
+        hold.expires_at = hold.acquired_at + self.lease
         self._hold = hold
         self._depth = 1
         remember_hold(hold)
@@ -297,6 +298,7 @@ class Mutex:
         started = time.monotonic()
         deadline = None if timeout is None else started + timeout
         token = secrets.token_hex(16)
+        cancels = _cancel_requests()
         with backend_errors(self.name, self.using):
             client = await get_async_client(self.using)
             reply = await scripts.arun(client, scripts.ACQUIRE, self.keys.script_keys,
@@ -309,7 +311,7 @@ class Mutex:
                 self._note_contention()
                 return False
             try:
-                fence = await self._await(client, token, deadline, reply, started)
+                fence = await self._await(client, token, deadline, reply, started, cancels)
             except BaseException:
                 await asyncio.shield(self._aabandon(client, token))
                 raise
@@ -321,17 +323,20 @@ class Mutex:
         return True
 
     async def _await(
-        self, client: Any, token: str, deadline: float | None, reply: list[Any], started: float
+        self, client: Any, token: str, deadline: float | None, reply: list[Any], started: float,
+        cancels: int = 0,
     ) -> Any:
         wake_key = self.keys.wake_prefix + token
         socket_timeout = client.connection_pool.connection_kwargs.get("socket_timeout")
         while True:
+            self._raise_if_cancelled(cancels)
             if deadline is not None and time.monotonic() >= deadline:
                 final = await scripts.arun(client, scripts.CANCEL, self.keys.script_keys,
                                            self._cancel_args(token))
                 return final[1] if final[0] == 1 else None
             wait = self._wait_slice(deadline, reply[1], socket_timeout)
             popped = await client.blpop([wake_key], timeout=wait)
+            self._raise_if_cancelled(cancels)
             if popped:
                 return popped[1]
             reply = await scripts.arun(client, scripts.ACQUIRE, self.keys.script_keys,
@@ -339,6 +344,14 @@ class Mutex:
             if reply[0] == 1:
                 return reply[1]
             self._refused(reply, started)
+
+    def _raise_if_cancelled(self, cancels: int) -> None:
+        # Python 3.11's asyncio.wait_for (which redis-py uses to send with a
+        # socket timeout) can swallow a cancel() that lands just as the send
+        # completes. Without this check a cancelled waiter would wait out its
+        # whole timeout and could even take the lock for a task that is gone.
+        if _cancel_requests() > cancels:
+            raise asyncio.CancelledError(f"Waiting for lock {self.name!r} was cancelled.")
 
     async def _aabandon(self, client: Any, token: str) -> None:
         try:
@@ -443,6 +456,7 @@ class Mutex:
             )
         hold.ttl = ttl
         hold.renew_at = time.monotonic() + ttl / 3
+        hold.expires_at = time.monotonic() + ttl
 
     def extend(self, ttl: float | None = None) -> None:
         """Set the remaining lease to ``ttl`` seconds (default: the handle's ttl).
@@ -615,6 +629,13 @@ class Mutex:
             logger.error("Could not release lock %r: %s", self.name, error)
             return
         raise error
+
+
+def _cancel_requests() -> int:
+    """Return the current task's pending cancel requests (0 before Python 3.11)."""
+    task = asyncio.current_task()
+    cancelling = getattr(task, "cancelling", None)
+    return int(cancelling()) if cancelling is not None else 0
 
 
 def _owner_dict(raw: Any) -> dict[str, Any] | None:

@@ -13,7 +13,6 @@ from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 from urllib.parse import urlencode
 
-from django.conf import settings
 from django.contrib import messages
 from django.contrib.admin.models import DELETION, LogEntry
 from django.contrib.contenttypes.models import ContentType
@@ -21,12 +20,11 @@ from django.core.exceptions import ImproperlyConfigured, PermissionDenied
 from django.http import HttpRequest, HttpResponse, HttpResponseNotAllowed, HttpResponseRedirect
 from django.template.response import TemplateResponse
 from django.urls import reverse
-from django.utils.module_loading import import_string
 from django.utils.translation import gettext as _
 from django.utils.translation import ngettext
 from redis.exceptions import RedisError
 
-from .client import REDIS_BACKENDS
+from .client import lock_aliases
 from .exceptions import LockBackendUnavailable
 from .introspection import HeldLock, held_locks, reset
 from .keys import validate_name
@@ -49,36 +47,17 @@ class _AliasError(Exception):
     """The requested cache alias cannot carry locks; the message says why."""
 
 
-def lock_aliases() -> list[str]:
-    """Return the cache aliases that can carry locks: those using django-redis (or a subclass)."""
-    from django_redis.cache import RedisCache
-
-    aliases = []
-    for alias, entry in getattr(settings, "CACHES", {}).items():
-        backend = entry.get("BACKEND", "")
-        if backend in REDIS_BACKENDS:
-            aliases.append(alias)
-            continue
-        try:
-            backend_class = import_string(backend)
-        except ImportError:
-            continue  # not importable here, so certainly not a lock store
-        if isinstance(backend_class, type) and issubclass(backend_class, RedisCache):
-            aliases.append(alias)
-    return aliases
-
-
 def _chosen_alias(request: HttpRequest, aliases: list[str]) -> str:
     """Return the alias named by ``?using=`` (or the default one), else raise _AliasError."""
     using = request.GET.get("using") or request.POST.get("using")
     if not using:
         if not aliases:
-            raise _AliasError(_("No cache in settings.CACHES uses django-redis, so no lock can "
+            raise _AliasError(_("No cache in settings.CACHES is a Redis cache, so no lock can "
                                 "be held. Set a cache BACKEND to 'django_redis.cache.RedisCache'."))
         return "default" if "default" in aliases else aliases[0]
     if using not in aliases:
         raise _AliasError(
-            _("Cache alias “%(alias)s” does not carry locks: it is not a django-redis cache in "
+            _("Cache alias “%(alias)s” does not carry locks: it is not a Redis cache in "
               "settings.CACHES. Choose one of: %(choices)s.")
             % {"alias": using, "choices": ", ".join(aliases) or _("none")}
         )

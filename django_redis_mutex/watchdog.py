@@ -21,6 +21,7 @@ import time
 from collections import defaultdict
 from typing import Any
 
+from django.core.exceptions import ImproperlyConfigured
 from redis.exceptions import NoScriptError
 
 from . import scripts, signals
@@ -93,8 +94,15 @@ class Watchdog:
                 continue
             by_alias[hold.alias].append(hold)
         for alias, holds in by_alias.items():
+            sent = time.monotonic()
             try:
                 results = self._extend_all(alias, holds)
+            except ImproperlyConfigured as exc:
+                # The alias is gone or broken (settings changed): nothing to renew with.
+                logger.error("Cannot renew %d lock(s) on %r: %s", len(holds), alias, exc)
+                for hold in holds:
+                    self._lost(hold)
+                continue
             except Exception as exc:  # Redis down or slow: try again soon, the lease still runs.
                 logger.warning("Could not renew %d lock(s) on %r: %s", len(holds), alias, exc)
                 retry = time.monotonic() + min(_IDLE, min(h.ttl for h in holds) / 10)
@@ -104,6 +112,7 @@ class Watchdog:
             for hold, renewed in zip(holds, results, strict=True):
                 if renewed == 1:
                     hold.renew_at = time.monotonic() + hold.ttl / 3
+                    hold.expires_at = sent + hold.ttl
                 else:
                     self._lost(hold)
 

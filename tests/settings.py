@@ -16,12 +16,21 @@ ALLOWED_HOSTS = ["*"]
 REDIS_URL = os.environ.get("DJANGO_REDIS_MUTEX_TEST_URL", "redis://127.0.0.1:9/0")
 MUTEX_PREFIX = os.environ.get("DJANGO_REDIS_MUTEX_TEST_PREFIX", "mutex")
 
+# The core suite runs against both supported backends: django-redis (default)
+# and Django's own, chosen with DJANGO_REDIS_MUTEX_TEST_BACKEND=django.
+if os.environ.get("DJANGO_REDIS_MUTEX_TEST_BACKEND") == "django":
+    _BACKEND = "django.core.cache.backends.redis.RedisCache"
+    _OPTIONS = {"socket_connect_timeout": 2, "socket_timeout": 5}
+else:
+    _BACKEND = "django_redis.cache.RedisCache"
+    _OPTIONS = {"SOCKET_CONNECT_TIMEOUT": 2, "SOCKET_TIMEOUT": 5}
+
 CACHES = {
     "default": {
-        "BACKEND": "django_redis.cache.RedisCache",
+        "BACKEND": _BACKEND,
         "LOCATION": REDIS_URL,
         "KEY_PREFIX": "tests",
-        "OPTIONS": {"SOCKET_CONNECT_TIMEOUT": 2, "SOCKET_TIMEOUT": 5},
+        "OPTIONS": _OPTIONS,
         "MUTEX": {"PREFIX": MUTEX_PREFIX},
     },
 }

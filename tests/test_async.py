@@ -1,0 +1,481 @@
+"""``async with``, async decorators and the ``a``-prefixed twins, on redis.asyncio.
+
+Each test drives its own event loop with ``asyncio.run``. An asyncio task is a
+lock owner of its own: reentrant within itself, a contender to every other task
+(its own children included), and to sync holders in other threads.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+import os
+import threading
+import time
+from typing import Any
+
+import pytest
+from django.conf import settings
+from django.test import override_settings
+
+from django_redis_mutex import (
+    LockContended,
+    LockLost,
+    LockNotOwned,
+    Mutex,
+    held_locks,
+    mutex,
+    reset,
+)
+
+
+def caches_with(**options: Any) -> dict[str, Any]:
+    """Return a copy of settings.CACHES with ``options`` merged into the default MUTEX block."""
+    caches = copy.deepcopy(settings.CACHES)
+    caches["default"]["MUTEX"] = {**caches["default"].get("MUTEX", {}), **options}
+    return caches
+
+
+async def until(predicate: Any, timeout: float = 5.0) -> bool:
+    """Poll an async ``predicate`` until it is true or ``timeout`` passes."""
+    deadline = time.monotonic() + timeout
+    while not await predicate():
+        if time.monotonic() >= deadline:
+            return False
+        await asyncio.sleep(0.01)
+    return True
+
+
+async def waiters(name: str) -> int:
+    found = [h for h in await asyncio.to_thread(held_locks) if h.name == name]
+    return found[0].waiters if found else 0
+
+
+# -- async with and the async twins -------------------------------------------
+
+
+def test_async_with_holds_lock_only_inside():
+    async def main() -> tuple[bool, bool, bool, bool]:
+        async with mutex("inventory") as lock:
+            inside = (await lock.aowned(), await Mutex("inventory").alocked())
+        return (*inside, await Mutex("inventory").alocked(), await lock.aowned())
+
+    assert asyncio.run(main()) == (True, True, False, False)
+
+
+def test_async_with_gives_handle_with_name_token_and_fence():
+    async def main() -> Mutex:
+        async with mutex("inventory") as lock:
+            assert lock.name == "inventory"
+            assert isinstance(lock.token, str)
+            assert isinstance(lock.fence, int) and lock.fence > 0
+            return lock
+
+    assert isinstance(asyncio.run(main()), Mutex)
+
+
+def test_aacquire_and_arelease_explicitly():
+    async def main() -> tuple[bool, bool, bool]:
+        lock = Mutex("explicit")
+        got = await lock.aacquire()
+        held = await lock.alocked()
+        await lock.arelease()
+        return got, held, await lock.alocked()
+
+    assert asyncio.run(main()) == (True, True, False)
+
+
+def test_attl_and_aextend():
+    async def main() -> tuple[float, float]:
+        async with mutex("leased", ttl=5, watchdog=False) as lock:
+            before = await lock.attl()
+            await lock.aextend(60)
+            return before, await lock.attl()
+
+    before, after = asyncio.run(main())
+    assert 0 < before <= 5
+    assert 55 < after <= 60
+
+
+def test_aowner_names_the_task_and_label():
+    async def main() -> dict[str, Any] | None:
+        async with mutex("owned", label="async job"):
+            return await Mutex("owned").aowner()
+
+    async def run_named() -> dict[str, Any] | None:
+        return await asyncio.create_task(main(), name="the-worker-task")
+
+    owner = asyncio.run(run_named())
+    assert owner is not None
+    assert owner["thread"] == "the-worker-task"
+    assert owner["label"] == "async job"
+    assert owner["pid"] == os.getpid()
+
+
+def test_arelease_on_handle_not_holding_raises_lock_not_owned():
+    async def main() -> None:
+        await Mutex("never").arelease()
+
+    with pytest.raises(LockNotOwned, match="never"):
+        asyncio.run(main())
+
+
+def test_aextend_on_handle_not_holding_raises_lock_not_owned():
+    async def main() -> None:
+        await Mutex("never").aextend(5)
+
+    with pytest.raises(LockNotOwned, match="never"):
+        asyncio.run(main())
+
+
+# -- async decorators -------------------------------------------------------------
+
+
+def test_async_decorated_function_holds_lock_during_call():
+    @mutex("order:{order_id}")
+    async def process(order_id: int) -> bool:
+        return await Mutex(f"order:{order_id}").alocked()
+
+    assert asyncio.run(process(5)) is True
+    assert not Mutex("order:5").locked()
+
+
+def test_async_decorated_method_fills_template_from_self():
+    class Product:
+        pk = 9
+
+        @mutex("product:{self.pk}")
+        async def restock(self) -> list[str]:
+            return [h.name for h in await asyncio.to_thread(held_locks)]
+
+    assert asyncio.run(Product().restock()) == ["product:9"]
+
+
+def test_async_decorated_function_raises_lock_contended_when_held():
+    ran = []
+
+    @mutex("busy", blocking=False)
+    async def work() -> None:
+        ran.append(1)
+
+    holder = Mutex("busy")
+    assert holder.acquire()
+    try:
+        with pytest.raises(LockContended) as caught:
+            asyncio.run(work())
+    finally:
+        holder.release()
+    assert ran == []
+    assert caught.value.name == "busy"
+    assert caught.value.retry_after >= 1
+
+
+def test_async_template_missing_argument_raises_at_call():
+    @mutex("order:{nope}")
+    async def process(order_id: int) -> None:
+        pytest.fail("the body must not run")
+
+    with pytest.raises(ValueError, match="nope"):
+        asyncio.run(process(1))
+
+
+# -- owners: tasks ------------------------------------------------------------------
+
+
+def test_nested_async_with_in_one_task_reenters():
+    async def main() -> tuple[int | None, int | None, bool]:
+        async with mutex("nested") as outer:
+            async with mutex("nested") as inner:
+                fences = (outer.fence, inner.fence)
+            still = await outer.aowned()
+        return (*fences, still)
+
+    outer_fence, inner_fence, still_held = asyncio.run(main())
+    assert outer_fence == inner_fence
+    assert still_held
+
+
+def test_child_task_contends_with_its_parent():
+    async def main() -> bool:
+        async with mutex("family"):
+            child = asyncio.create_task(Mutex("family").aacquire(blocking=False))
+            return await child
+
+    assert asyncio.run(main()) is False
+
+
+def test_tasks_on_one_thread_get_different_tokens():
+    async def take(name: str) -> str | None:
+        lock = Mutex(name)
+        assert await lock.aacquire()
+        token = lock.token
+        await lock.arelease()
+        return token
+
+    async def main() -> list[str | None]:
+        return list(await asyncio.gather(take("a"), take("b"), take("a")))
+
+    tokens = asyncio.run(main())
+    assert len(set(tokens)) == 3
+
+
+def test_concurrent_tasks_never_overlap_inside_the_lock():
+    inside = 0
+    most = 0
+
+    async def worker() -> None:
+        nonlocal inside, most
+        async with mutex("counter", timeout=10):
+            inside += 1
+            most = max(most, inside)
+            await asyncio.sleep(0.01)
+            inside -= 1
+
+    async def main() -> None:
+        await asyncio.gather(*(worker() for _ in range(8)))
+
+    asyncio.run(main())
+    assert most == 1
+
+
+def test_waiting_task_gets_lock_when_other_task_releases():
+    async def main() -> float:
+        holder = Mutex("handoff")
+        assert await holder.aacquire()
+        waiter_lock = Mutex("handoff", timeout=10)
+        waiter = asyncio.create_task(waiter_lock.aacquire())
+        assert await until(lambda: _one_waiter("handoff"))
+        released = time.monotonic()
+        await holder.arelease()
+        assert await waiter
+        handed_over = time.monotonic() - released
+        await waiter_lock.arelease()
+        return handed_over
+
+    assert asyncio.run(main()) < 0.5
+
+
+async def _one_waiter(name: str) -> bool:
+    return await waiters(name) == 1
+
+
+def test_lock_can_be_released_by_another_task():
+    async def main() -> bool:
+        lock = Mutex("shared-handle")
+        assert await lock.aacquire()
+        await asyncio.create_task(lock.arelease())
+        return await lock.alocked()
+
+    assert asyncio.run(main()) is False
+
+
+def test_non_reentrant_nested_async_with_contends():
+    async def main() -> None:
+        async with mutex("strict"), mutex("strict", reentrant=False, blocking=False):
+            pytest.fail("the body must not run")
+
+    with pytest.raises(LockContended):
+        asyncio.run(main())
+
+
+# -- sync and async together ---------------------------------------------------------
+
+
+def test_sync_holder_blocks_async_contender():
+    holder = Mutex("mixed")
+    assert holder.acquire()
+    try:
+        got = asyncio.run(Mutex("mixed").aacquire(blocking=False))
+    finally:
+        holder.release()
+    assert got is False
+
+
+def test_async_holder_blocks_sync_contender_in_another_thread():
+    async def main() -> bool | None:
+        async with mutex("mixed"):
+            return await asyncio.to_thread(Mutex("mixed").acquire, blocking=False)
+
+    assert asyncio.run(main()) is False
+
+
+# -- waiting without blocking the loop -----------------------------------------------
+
+
+def test_aacquire_timeout_returns_false_after_timeout():
+    holder = Mutex("busy")
+    assert holder.acquire()
+    try:
+
+        async def main() -> tuple[bool, float]:
+            started = time.monotonic()
+            got = await Mutex("busy").aacquire(timeout=0.3)
+            return got, time.monotonic() - started
+
+        got, elapsed = asyncio.run(main())
+    finally:
+        holder.release()
+    assert got is False
+    assert 0.28 <= elapsed < 2.0
+
+
+def test_waiting_does_not_block_the_event_loop():
+    holder = Mutex("busy")
+    assert holder.acquire()
+    ticks = 0
+
+    async def ticker() -> None:
+        nonlocal ticks
+        while True:
+            ticks += 1
+            await asyncio.sleep(0.01)
+
+    async def main() -> bool:
+        tick_task = asyncio.create_task(ticker())
+        got = await Mutex("busy").aacquire(timeout=0.5)
+        tick_task.cancel()
+        return got
+
+    try:
+        assert asyncio.run(main()) is False
+    finally:
+        holder.release()
+    assert ticks >= 10
+
+
+def test_cancelled_waiter_leaves_the_queue_without_the_lock():
+    async def main() -> tuple[int, bool, bool]:
+        holder = Mutex("busy")
+        assert await holder.aacquire()
+        waiter_lock = Mutex("busy", timeout=10)
+        waiter = asyncio.create_task(waiter_lock.aacquire())
+        assert await until(lambda: _one_waiter("busy"))
+        waiter.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await waiter
+        queued = await waiters("busy")
+        await holder.arelease()
+        return queued, await Mutex("busy").alocked(), waiter_lock.token is not None
+
+    queued, locked_after, waiter_has_token = asyncio.run(main())
+    assert queued == 0
+    assert not locked_after
+    assert not waiter_has_token
+
+
+def test_cancelling_a_waiter_is_never_swallowed():
+    # On Python 3.11 redis-py's send (asyncio.wait_for) can swallow a cancel()
+    # landing as it completes; repeat so that window is hit at least once.
+    async def cancel_one() -> tuple[bool, float]:
+        holder = Mutex("busy")
+        assert await holder.aacquire()
+        waiter = asyncio.create_task(Mutex("busy", timeout=10).aacquire())
+        assert await until(lambda: _one_waiter("busy"))
+        started = time.monotonic()
+        waiter.cancel()
+        try:
+            await waiter
+            cancelled = False
+        except asyncio.CancelledError:
+            cancelled = True
+        await holder.arelease()
+        return cancelled, time.monotonic() - started
+
+    async def main() -> list[tuple[bool, float]]:
+        return [await cancel_one() for _ in range(6)]
+
+    results = asyncio.run(main())
+    assert all(cancelled for cancelled, _ in results)
+    assert max(elapsed for _, elapsed in results) < 3.0
+
+
+def test_async_with_raises_lock_contended_with_owner():
+    holder = Mutex("busy", label="sync holder")
+    assert holder.acquire()
+
+    async def main() -> None:
+        async with mutex("busy", timeout=0):
+            pytest.fail("the body must not run")
+
+    try:
+        with pytest.raises(LockContended) as caught:
+            asyncio.run(main())
+    finally:
+        holder.release()
+    assert caught.value.owner is not None
+    assert caught.value.owner["label"] == "sync holder"
+
+
+# -- losing the lock -------------------------------------------------------------------
+
+
+def test_async_exit_raises_lock_lost_when_reset_during_successful_body():
+    async def main() -> None:
+        async with mutex("victim", watchdog=False):
+            assert await asyncio.to_thread(reset, "victim")
+
+    with pytest.raises(LockLost, match="victim"):
+        asyncio.run(main())
+
+
+def test_async_exit_keeps_body_exception_when_lock_lost():
+    async def main() -> None:
+        async with mutex("victim", watchdog=False):
+            await asyncio.to_thread(reset, "victim")
+            raise KeyError("from the body")
+
+    with pytest.raises(KeyError, match="from the body"):
+        asyncio.run(main())
+
+
+def test_watchdog_renews_async_hold_beyond_ttl():
+    async def main() -> bool:
+        async with mutex("renewed", ttl=0.3) as lock:
+            deadline = time.monotonic() + 1.0
+            while time.monotonic() < deadline:
+                if not await lock.aowned():
+                    return False
+                await asyncio.sleep(0.05)
+            return True
+
+    assert asyncio.run(main()) is True
+
+
+def test_watchdog_renews_async_hold_while_loop_is_blocked():
+    async def main() -> bool:
+        async with mutex("renewed", ttl=0.3) as lock:
+            time.sleep(0.8)  # a blocking call inside async code: the loop cannot run
+            return await lock.aowned()
+
+    assert asyncio.run(main()) is True
+
+
+def test_async_hold_in_other_thread_loop_is_another_owner():
+    async def main() -> bool:
+        async with mutex("threads"):
+            result: list[bool] = []
+            thread = threading.Thread(
+                target=lambda: result.append(asyncio.run(Mutex("threads").aacquire(blocking=False)))
+            )
+            thread.start()
+            await asyncio.to_thread(thread.join, 10)
+            return result[0]
+
+    assert asyncio.run(main()) is False
+
+
+def test_async_default_timeout_comes_from_settings():
+    holder = Mutex("busy")
+    assert holder.acquire()
+
+    async def main() -> tuple[bool, float]:
+        started = time.monotonic()
+        return await Mutex("busy").aacquire(), time.monotonic() - started
+
+    try:
+        with override_settings(CACHES=caches_with(TIMEOUT=0.2)):
+            got, elapsed = asyncio.run(main())
+    finally:
+        holder.release()
+    assert got is False
+    assert elapsed < 2.0

@@ -1,0 +1,273 @@
+"""When Redis is unreachable, hung or dies mid-hold: fail fast, honestly, and recover.
+
+``LockBackendUnavailable`` comes promptly; ``FAIL_OPEN`` runs ``with`` blocks
+and decorated calls unlocked (with a warning) but never makes an explicit
+``Mutex.acquire()`` pretend. Faults are real: a port nothing listens on, and a
+dedicated redis-server that is killed, stopped (SIGSTOP) and restarted.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+import logging
+import signal
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import pytest
+from django.conf import settings
+from django.test import override_settings
+
+from django_redis_mutex import (
+    LockBackendUnavailable,
+    Mutex,
+    held_locks,
+    mutex,
+    reset,
+    reset_all,
+)
+from django_redis_mutex.testing import RedisServer, free_port
+
+# Generous bound for "promptly": far below the suite's 5 s socket timeout.
+PROMPT = 2.0
+
+
+def caches_for(location: str, options: dict[str, Any] | None = None,
+               **mutex_options: Any) -> dict[str, Any]:
+    """Return settings.CACHES with the default alias moved to ``location``."""
+    entries = copy.deepcopy(settings.CACHES)
+    default = entries["default"]
+    default["LOCATION"] = location
+    default["OPTIONS"] = {**default.get("OPTIONS", {}), **(options or {})}
+    default["MUTEX"] = {**default.get("MUTEX", {}), **mutex_options}
+    return entries
+
+
+@contextmanager
+def unreachable(**mutex_options: Any) -> Iterator[None]:
+    """Point the default cache at a loopback port nothing listens on."""
+    with override_settings(CACHES=caches_for(f"redis://127.0.0.1:{free_port()}/0",
+                                             **mutex_options)):
+        yield
+
+
+@contextmanager
+def dedicated(*extra_args: str, options: dict[str, Any] | None = None,
+              **mutex_options: Any) -> Iterator[RedisServer]:
+    """Point the default cache at a private redis-server this test may kill or stop."""
+    with RedisServer(extra_args=list(extra_args)) as server:
+        try:
+            with override_settings(CACHES=caches_for(server.url, options, **mutex_options)):
+                yield server
+        finally:
+            if server.process is not None and server.process.poll() is None:
+                server.process.send_signal(signal.SIGCONT)
+
+
+def timed(func: Any) -> tuple[BaseException | None, float]:
+    """Call ``func``; return the exception it raised (or None) and the seconds it took."""
+    started = time.monotonic()
+    try:
+        func()
+    except BaseException as exc:
+        return exc, time.monotonic() - started
+    return None, time.monotonic() - started
+
+
+# -- unreachable: fail fast ----------------------------------------------------------
+
+
+def test_with_block_raises_backend_unavailable_promptly():
+    ran = []
+
+    def enter() -> None:
+        with mutex("inventory"):
+            ran.append(1)
+
+    with unreachable():
+        error, elapsed = timed(enter)
+    assert isinstance(error, LockBackendUnavailable)
+    assert error.name == "inventory"
+    assert "inventory" in str(error)
+    assert elapsed < PROMPT
+    assert ran == []
+
+
+def test_decorated_function_raises_backend_unavailable_and_does_not_run():
+    ran = []
+
+    @mutex("order:{order_id}")
+    def process(order_id: int) -> None:
+        ran.append(order_id)
+
+    with unreachable(), pytest.raises(LockBackendUnavailable, match="order:3"):
+        process(3)
+    assert ran == []
+
+
+def test_async_with_raises_backend_unavailable_promptly():
+    async def main() -> None:
+        async with mutex("inventory"):
+            pytest.fail("the body must not run")
+
+    with unreachable():
+        error, elapsed = timed(lambda: asyncio.run(main()))
+    assert isinstance(error, LockBackendUnavailable)
+    assert elapsed < PROMPT
+
+
+def test_explicit_acquire_raises_even_when_fail_open():
+    with unreachable(FAIL_OPEN=True), pytest.raises(LockBackendUnavailable):
+        Mutex("inventory").acquire()
+
+
+def test_explicit_aacquire_raises_even_when_fail_open():
+    with unreachable(FAIL_OPEN=True), pytest.raises(LockBackendUnavailable):
+        asyncio.run(Mutex("inventory").aacquire())
+
+
+@pytest.mark.parametrize(
+    "call",
+    [
+        lambda: held_locks(),
+        lambda: reset("inventory"),
+        lambda: reset_all(),
+        lambda: Mutex("inventory").locked(),
+        lambda: Mutex("inventory").owner(),
+    ],
+    ids=["held_locks", "reset", "reset_all", "locked", "owner"],
+)
+def test_inspection_raises_backend_unavailable(call):
+    with unreachable(), pytest.raises(LockBackendUnavailable):
+        call()
+
+
+# -- FAIL_OPEN ---------------------------------------------------------------------------
+
+
+def test_fail_open_runs_with_block_unlocked_and_warns(caplog):
+    ran = []
+    with (
+        unreachable(FAIL_OPEN=True),
+        caplog.at_level(logging.WARNING, "django_redis_mutex"),
+        mutex("inventory") as lock,
+    ):
+        ran.append(lock.token)
+    assert ran == [None]
+    warnings = [r for r in caplog.records if r.levelno == logging.WARNING]
+    assert any("inventory" in r.getMessage() for r in warnings)
+
+
+def test_fail_open_runs_decorated_function_unlocked():
+    @mutex("order:{order_id}")
+    def process(order_id: int) -> int:
+        return order_id * 2
+
+    with unreachable(FAIL_OPEN=True):
+        assert process(21) == 42
+
+
+def test_fail_open_runs_async_with_body_and_async_decorator():
+    @mutex("order:{order_id}")
+    async def process(order_id: int) -> int:
+        async with mutex("inner"):
+            return order_id * 2
+
+    with unreachable(FAIL_OPEN=True):
+        assert asyncio.run(process(21)) == 42
+
+
+def test_fail_open_still_raises_body_exception():
+    with unreachable(FAIL_OPEN=True), pytest.raises(KeyError, match="body"), mutex("inventory"):
+        raise KeyError("body")
+
+
+# -- Redis dies or hangs under a running client -------------------------------------------
+
+
+def test_exit_raises_backend_unavailable_when_redis_died_during_successful_body():
+    with dedicated() as server:
+        def run() -> None:
+            with mutex("inventory", watchdog=False):
+                server.kill()
+
+        error, elapsed = timed(run)
+    assert isinstance(error, LockBackendUnavailable)
+    assert "inventory" in str(error)
+    assert elapsed < PROMPT
+
+
+def test_fail_open_exit_logs_instead_of_raising_when_redis_died(caplog):
+    with (
+        dedicated(FAIL_OPEN=True) as server,
+        caplog.at_level(logging.ERROR, "django_redis_mutex"),
+        mutex("inventory", watchdog=False) as lock,
+    ):
+        server.kill()
+    assert lock.token is not None  # kept for a retry; the lease ends by itself
+    assert any("inventory" in r.getMessage() for r in caplog.records
+               if r.levelno == logging.ERROR)
+
+
+def test_waiter_fails_promptly_when_redis_dies_during_its_wait():
+    with dedicated() as server:
+        holder = Mutex("inventory", watchdog=False)
+        assert holder.acquire()
+        outcome: dict[str, Any] = {}
+
+        def wait_for_it() -> None:
+            outcome["error"], outcome["elapsed"] = timed(
+                lambda: Mutex("inventory", timeout=30).acquire()
+            )
+
+        thread = threading.Thread(target=wait_for_it)
+        thread.start()
+        deadline = time.monotonic() + 5
+        while held_locks()[0].waiters == 0:
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        server.kill()
+        thread.join(10)
+    assert isinstance(outcome["error"], LockBackendUnavailable)
+    assert outcome["elapsed"] < 5
+
+
+def test_hung_redis_gives_backend_unavailable_after_socket_timeout():
+    with dedicated(options={"SOCKET_TIMEOUT": 0.5}) as server:
+        # A pooled connection exists before the hang, as in a running app.
+        assert Mutex("warmup", watchdog=False).acquire()
+        server.process.send_signal(signal.SIGSTOP)
+        try:
+            error, elapsed = timed(lambda: Mutex("inventory").acquire())
+        finally:
+            server.process.send_signal(signal.SIGCONT)
+    assert isinstance(error, LockBackendUnavailable)
+    assert 0.4 <= elapsed < 3.0
+
+
+def test_locks_work_again_after_redis_restarts():
+    with dedicated() as server:
+        assert Mutex("before", watchdog=False).acquire()
+        server.restart()
+        lock = Mutex("after")
+        assert lock.acquire()
+        assert lock.owned()
+        lock.release()
+
+
+def test_watchdog_keeps_a_hold_alive_across_a_brief_outage():
+    # The lock survives the restart on disk; the renewer must retry, not give up.
+    with (
+        dedicated("--appendonly", "yes", "--appendfsync", "always") as server,
+        mutex("inventory", ttl=1.0) as lock,
+    ):
+        server.restart()
+        deadline = time.monotonic() + 2.0  # twice the lease
+        while time.monotonic() < deadline:
+            assert lock.owned()
+            time.sleep(0.1)
+        assert not lock.lost
