@@ -83,3 +83,23 @@ def run_worker(script: str, *args: str, timeout: float = 120) -> subprocess.Pope
         [sys.executable, str(ROOT / "tests" / "workers" / script), *args],
         env=env, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
     )
+
+
+USING_DJANGO_BACKEND = os.environ.get("DJANGO_REDIS_MUTEX_TEST_BACKEND") == "django"
+
+
+def cache_options(*, socket_timeout: float | None = None,
+                  decode_responses: bool | None = None) -> dict[str, object]:
+    """Return OPTIONS for the backend under test (django-redis and Django spell them apart)."""
+    options: dict[str, object] = {}
+    if USING_DJANGO_BACKEND:
+        if socket_timeout is not None:
+            options["socket_timeout"] = socket_timeout
+        if decode_responses is not None:
+            options["decode_responses"] = decode_responses
+        return options
+    if socket_timeout is not None:
+        options["SOCKET_TIMEOUT"] = socket_timeout
+    if decode_responses is not None:
+        options["CONNECTION_POOL_KWARGS"] = {"decode_responses": decode_responses}
+    return options

@@ -32,6 +32,8 @@ from django_redis_mutex import (
 )
 from django_redis_mutex.testing import RedisServer, free_port
 
+from .conftest import cache_options
+
 # Generous bound for "promptly": far below the suite's 5 s socket timeout.
 PROMPT = 2.0
 
@@ -237,7 +239,7 @@ def test_waiter_fails_promptly_when_redis_dies_during_its_wait():
 
 
 def test_hung_redis_gives_backend_unavailable_after_socket_timeout():
-    with dedicated(options={"SOCKET_TIMEOUT": 0.5}) as server:
+    with dedicated(options=cache_options(socket_timeout=0.5)) as server:
         # A pooled connection exists before the hang, as in a running app.
         assert Mutex("warmup", watchdog=False).acquire()
         server.process.send_signal(signal.SIGSTOP)

@@ -37,6 +37,8 @@ from django_redis_mutex import (
 from django_redis_mutex.testing import RedisServer
 from django_redis_mutex.watchdog import get_watchdog
 
+from .conftest import cache_options
+
 
 def caches_with(**options: Any) -> dict[str, Any]:
     """Return a copy of settings.CACHES with ``options`` merged into the default MUTEX block."""
@@ -347,7 +349,7 @@ def test_client_with_decode_responses_works():
     entries = caches_with()
     entries["default"]["OPTIONS"] = {
         **entries["default"].get("OPTIONS", {}),
-        "CONNECTION_POOL_KWARGS": {"decode_responses": True},
+        **cache_options(decode_responses=True),
     }
     with override_settings(CACHES=entries):
         with mutex("decoded", ttl=20, label="utf-8 ✓") as lock:
@@ -365,7 +367,7 @@ def test_async_client_with_decode_responses_works():
     entries = caches_with()
     entries["default"]["OPTIONS"] = {
         **entries["default"].get("OPTIONS", {}),
-        "CONNECTION_POOL_KWARGS": {"decode_responses": True},
+        **cache_options(decode_responses=True),
     }
 
     async def main() -> tuple[bool, float, bool]:
