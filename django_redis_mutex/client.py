@@ -26,6 +26,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "REDIS_BACKENDS",
+    "UNAVAILABLE",
     "backend_errors",
     "backend_kind",
     "clear_clients",
@@ -41,7 +42,7 @@ DJANGO_BUILTIN_BACKEND = "django.core.cache.backends.redis.RedisCache"
 REDIS_BACKENDS = (DJANGO_REDIS_BACKEND, DJANGO_BUILTIN_BACKEND)
 
 # Failures of the transport, not of a command: the lock could not be asked.
-_UNAVAILABLE = (redis_errors.ConnectionError, redis_errors.TimeoutError, OSError)
+UNAVAILABLE = (redis_errors.ConnectionError, redis_errors.TimeoutError, OSError)
 
 _lock = threading.Lock()
 _sync_clients: dict[str, redis.Redis] = {}
@@ -107,12 +108,13 @@ def _raw_client(alias: str, kind: str) -> redis.Redis:
     from django_redis import get_redis_connection
 
     try:
-        return get_redis_connection(alias, write=True)
+        connection: redis.Redis = get_redis_connection(alias, write=True)
     except NotImplementedError as exc:
         raise ImproperlyConfigured(
             f"Cache alias {alias!r} does not give access to a raw Redis client "
             "(sharded or custom django-redis clients are not supported)."
         ) from exc
+    return connection
 
 
 def get_client(alias: str) -> redis.Redis:
@@ -238,7 +240,7 @@ def backend_errors(name: str, alias: str) -> Iterator[None]:
     """Translate a transport failure talking to Redis into LockBackendUnavailable."""
     try:
         yield
-    except _UNAVAILABLE as exc:
+    except UNAVAILABLE as exc:
         raise LockBackendUnavailable(
             f"Redis for cache {alias!r} is unavailable while handling lock {name!r}: {exc}",
             name=name,

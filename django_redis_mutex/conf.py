@@ -28,6 +28,7 @@ DEFAULTS: dict[str, Any] = {
     "FAIL_OPEN": False,
     "RAISE_ON_LOST": True,
     "MAX_HOLD": None,
+    "QUORUM": None,
 }
 
 # A lease longer than a year is a bug in the caller, not a lock.
@@ -48,6 +49,7 @@ class MutexSettings:
     fail_open: bool
     raise_on_lost: bool
     max_hold: float | None
+    quorum: tuple[str, ...] | None = None
 
 
 def _is_number(value: object) -> bool:
@@ -116,6 +118,32 @@ def validate_prefix(alias: str, prefix: object) -> str:
     return prefix
 
 
+def validate_aliases(value: object, *, what: str = "using") -> tuple[str, ...]:
+    """Return a list of cache aliases for a quorum lock as a tuple, or raise."""
+    if not isinstance(value, (list, tuple)):
+        raise TypeError(f"{what} must be a cache alias or a list of them, not {type(value).__name__}.")
+    if not value:
+        raise ValueError(f"{what} must name at least one cache alias.")
+    for alias in value:
+        if not isinstance(alias, str) or not alias:
+            raise TypeError(f"{what} must contain cache aliases (strings), got {alias!r}.")
+    if len(set(value)) != len(value):
+        raise ValueError(f"{what} names a cache alias twice: {list(value)!r}.")
+    return tuple(value)
+
+
+def _validate_quorum(alias: str, value: object) -> tuple[str, ...] | None:
+    if value is None:
+        return None
+    aliases = _wrap(alias, "QUORUM", validate_aliases, value)
+    if len(aliases) < 2:
+        raise ImproperlyConfigured(
+            f"CACHES[{alias!r}]['MUTEX']['QUORUM'] must name at least two independent Redis "
+            "aliases (three or more, an odd number, is the useful case)."
+        )
+    return tuple(aliases)
+
+
 def parse_settings(alias: str, block: object) -> MutexSettings:
     """Validate one ``MUTEX`` block and merge it over the defaults."""
     if block is None:
@@ -142,6 +170,7 @@ def parse_settings(alias: str, block: object) -> MutexSettings:
         fail_open=_validate_bool(alias, "FAIL_OPEN", merged["FAIL_OPEN"]),
         raise_on_lost=_validate_bool(alias, "RAISE_ON_LOST", merged["RAISE_ON_LOST"]),
         max_hold=None if max_hold is None else _wrap(alias, "MAX_HOLD", validate_ttl, max_hold),
+        quorum=_validate_quorum(alias, merged["QUORUM"]),
     )
 
 

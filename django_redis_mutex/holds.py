@@ -80,10 +80,18 @@ class Hold:
     # When the lease runs out by this process's clock, unless renewed or
     # extended; a hold past it is never re-entered (Redis may have let it go).
     expires_at: float = float("inf")
+    # Where the lock lives: (alias, lock key) per Redis master, and how many of
+    # them must agree (1 for a single Redis, a majority for a quorum lock).
+    targets: tuple[tuple[str, str], ...] = ()
+    quorum: int = 1
     # Watchdog bookkeeping.
     renew_at: float = 0.0
     max_hold: float | None = None
     raise_on_lost: bool = True
+
+    def __post_init__(self) -> None:
+        if not self.targets:
+            self.targets = ((self.alias, self.keys.lock),)
 
     def mark_lost(self, reason: str) -> bool:
         """Record that the lock is no longer ours; return True the first time."""

@@ -52,10 +52,10 @@ def lock_pattern(namespace: str) -> str:
 
 
 @lru_cache(maxsize=4096)
-def _keys_for(cls: type[LockKeys], namespace: str, name: str) -> LockKeys:
+def _keys_for(namespace: str, name: str) -> LockKeys:
     # Hot names (a view's lock) are built on every request; the keys are pure
     # functions of namespace and name.
-    return cls.for_lock_key(f"{namespace}:{{{escape_name(name)}}}")
+    return LockKeys.for_lock_key(f"{namespace}:{{{escape_name(name)}}}")
 
 
 @dataclass(frozen=True)
@@ -71,7 +71,7 @@ class LockKeys:
 
     @classmethod
     def for_name(cls, namespace: str, name: str) -> LockKeys:
-        return _keys_for(cls, namespace, name)
+        return _keys_for(namespace, name)
 
     @classmethod
     def for_lock_key(cls, lock_key: str) -> LockKeys:

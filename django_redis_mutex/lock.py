@@ -15,6 +15,7 @@ import logging
 import math
 import secrets
 import time
+from collections.abc import Sequence
 from typing import Any, Literal
 
 from . import scripts, signals
@@ -66,6 +67,15 @@ class Mutex:
     :func:`django_redis_mutex.mutex`, which does so for you.
     """
 
+    def __new__(cls, name: str, *, using: str | Sequence[str] = "default", **options: Any) -> Mutex:
+        # A list of aliases, or an alias whose MUTEX block names a QUORUM, makes
+        # a Redlock-style quorum lock with the same interface.
+        if cls is Mutex and _wants_quorum(using):
+            from .quorum import QuorumMutex
+
+            return super().__new__(QuorumMutex)
+        return super().__new__(cls)
+
     def __init__(
         self,
         name: str,
@@ -79,6 +89,8 @@ class Mutex:
         label: str | None = None,
     ) -> None:
         self.name: str = validate_name(name)
+        if isinstance(using, (list, tuple)) and len(using) == 1:
+            using = using[0]
         if not isinstance(using, str):
             raise TypeError(f"using must be a cache alias (a string), not {type(using).__name__}.")
         self.using = using
@@ -189,6 +201,7 @@ class Mutex:
             raise_on_lost=self.settings.raise_on_lost,
         )
         hold.expires_at = hold.acquired_at + self.lease
+        hold.targets, hold.quorum = self._hold_targets()
         self._hold = hold
         self._depth = 1
         remember_hold(hold)
@@ -198,6 +211,10 @@ class Mutex:
             signals.lock_acquired.send(
                 sender=self.using, name=self.name, fence=hold.fence, wait=hold.acquired_at - started
             )
+
+    def _hold_targets(self) -> tuple[tuple[tuple[str, str], ...], int]:
+        """Return where a hold of this handle lives, and how many places must agree."""
+        return ((self.using, self.keys.lock),), 1
 
     def _refused(self, reply: list[Any], started: float) -> None:
         owner_json = decode(reply[2]) if len(reply) > 2 else ""
@@ -648,6 +665,14 @@ def _owner_dict(raw: Any) -> dict[str, Any] | None:
     except ValueError:
         return None
     return value if isinstance(value, dict) else None
+
+
+def _wants_quorum(using: object) -> bool:
+    if isinstance(using, (list, tuple)):
+        return len(using) > 1
+    if isinstance(using, str):
+        return get_settings(using).quorum is not None
+    return False
 
 
 def _flag(what: str, value: object) -> bool:

@@ -34,6 +34,7 @@ __all__ = [
     "RELEASE",
     "RESET",
     "WAIT_LEASE",
+    "RAISE_FENCE",
     "LuaScript",
     "arun",
     "run",
@@ -237,6 +238,22 @@ if redis.call('EXISTS', KEYS[1]) == 0 then return 0 end
 local name = redis.call('HGET', KEYS[1], 'name') or ''
 redis.call('DEL', KEYS[1])
 hand_off(name, now_us())
+return 1
+""",
+)
+
+
+# RAISE_FENCE: after a quorum acquisition, make every master's counter at least
+# the fence handed out, so the next majority (which overlaps this one) counts on
+# from above it.
+# KEYS[1] fence counter.  ARGV[1] the fence.  Returns 1 if the counter moved.
+RAISE_FENCE = LuaScript(
+    "raise_fence",
+    f"local FENCE_RETENTION = {int(FENCE_RETENTION * 1000)}\n"
+    + r"""
+local current = tonumber(redis.call('GET', KEYS[1]) or '0')
+if current >= tonumber(ARGV[1]) then return 0 end
+redis.call('SET', KEYS[1], ARGV[1], 'PX', FENCE_RETENTION)
 return 1
 """,
 )

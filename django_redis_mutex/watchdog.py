@@ -82,7 +82,9 @@ class Watchdog:
             self._renew(due)
 
     def _renew(self, due: list[Hold]) -> None:
-        by_alias: dict[str, list[Hold]] = defaultdict(list)
+        # Group the renewals by Redis (alias): one pipeline per alias, whatever
+        # number of locks (and of quorum members) is due there.
+        by_alias: dict[str, list[tuple[Hold, str]]] = defaultdict(list)
         now = time.monotonic()
         for hold in due:
             if hold.max_hold is not None and now - hold.acquired_at >= hold.max_hold:
@@ -92,41 +94,50 @@ class Watchdog:
                     hold.name, hold.max_hold, hold.ttl,
                 )
                 continue
-            by_alias[hold.alias].append(hold)
-        for alias, holds in by_alias.items():
-            sent = time.monotonic()
+            for alias, lock_key in hold.targets:
+                by_alias[alias].append((hold, lock_key))
+        renewed: dict[int, int] = defaultdict(int)
+        refused: dict[int, int] = defaultdict(int)
+        broken: set[int] = set()
+        sent = time.monotonic()
+        for alias, entries in by_alias.items():
             try:
-                results = self._extend_all(alias, holds)
+                results = self._extend_all(alias, entries)
             except ImproperlyConfigured as exc:
                 # The alias is gone or broken (settings changed): nothing to renew with.
-                logger.error("Cannot renew %d lock(s) on %r: %s", len(holds), alias, exc)
-                for hold in holds:
-                    self._lost(hold)
+                logger.error("Cannot renew %d lock(s) on %r: %s", len(entries), alias, exc)
+                broken.update(id(hold) for hold, _ in entries)
                 continue
             except Exception as exc:  # Redis down or slow: try again soon, the lease still runs.
-                logger.warning("Could not renew %d lock(s) on %r: %s", len(holds), alias, exc)
-                retry = time.monotonic() + min(_IDLE, min(h.ttl for h in holds) / 10)
-                for hold in holds:
-                    hold.renew_at = retry
+                logger.warning("Could not renew %d lock(s) on %r: %s", len(entries), alias, exc)
                 continue
-            for hold, renewed in zip(holds, results, strict=True):
-                if renewed == 1:
-                    hold.renew_at = time.monotonic() + hold.ttl / 3
-                    hold.expires_at = sent + hold.ttl
+            for (hold, _), result in zip(entries, results, strict=True):
+                if result == 1:
+                    renewed[id(hold)] += 1
                 else:
-                    self._lost(hold)
+                    refused[id(hold)] += 1
+        for hold in due:
+            if not self.watching(hold):
+                continue
+            key = id(hold)
+            if renewed[key] >= hold.quorum:
+                hold.renew_at = time.monotonic() + hold.ttl / 3
+                hold.expires_at = sent + hold.ttl
+            elif key in broken or refused[key] > len(hold.targets) - hold.quorum:
+                # Too many masters say it is not ours: a quorum can no longer hold it.
+                self._lost(hold)
+            else:
+                hold.renew_at = time.monotonic() + min(_IDLE, hold.ttl / 10)
 
     @staticmethod
-    def _extend_all(alias: str, holds: list[Hold]) -> list[Any]:
+    def _extend_all(alias: str, entries: list[tuple[Hold, str]]) -> list[Any]:
         from .client import get_client
 
         client = get_client(alias)
         for attempt in (1, 2):
             pipe = client.pipeline(transaction=False)
-            for hold in holds:
-                pipe.evalsha(
-                    scripts.EXTEND.sha, 1, hold.keys.lock, hold.token, int(hold.ttl * 1000)
-                )
+            for hold, lock_key in entries:
+                pipe.evalsha(scripts.EXTEND.sha, 1, lock_key, hold.token, int(hold.ttl * 1000))
             try:
                 return list(pipe.execute())
             except NoScriptError:

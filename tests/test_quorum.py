@@ -1,0 +1,174 @@
+"""Quorum (Redlock) locks across three independent redis-server processes."""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+import threading
+from collections.abc import Iterator
+
+import pytest
+from django.conf import settings
+from django.test import override_settings
+
+from django_redis_mutex import (
+    LockBackendUnavailable,
+    LockContended,
+    Mutex,
+    held_locks,
+    mutex,
+)
+from django_redis_mutex.quorum import QuorumMutex
+from django_redis_mutex.testing import RedisServer
+
+ALIASES = ["r1", "r2", "r3"]
+
+
+@pytest.fixture(scope="module")
+def masters() -> Iterator[list[RedisServer]]:
+    servers = [RedisServer().start() for _ in ALIASES]
+    yield servers
+    for server in servers:
+        server.close()
+
+
+@pytest.fixture
+def quorum_caches(masters: list[RedisServer], mutex_prefix: str) -> Iterator[list[RedisServer]]:
+    caches = copy.deepcopy(settings.CACHES)
+    for alias, server in zip(ALIASES, masters, strict=True):
+        caches[alias] = {
+            "BACKEND": "django_redis.cache.RedisCache",
+            "LOCATION": server.url,
+            "OPTIONS": {"SOCKET_CONNECT_TIMEOUT": 0.5, "SOCKET_TIMEOUT": 1},
+            "MUTEX": {"PREFIX": mutex_prefix, "TIMEOUT": 2},
+        }
+    caches["locks"] = {**caches["r1"], "MUTEX": {"PREFIX": mutex_prefix, "QUORUM": ALIASES}}
+    with override_settings(CACHES=caches):
+        yield masters
+    for server in masters:
+        if server.process is None:
+            server.start()
+
+
+def test_list_of_aliases_makes_a_quorum_lock(quorum_caches):
+    lock = Mutex("inventory", using=ALIASES)
+    assert isinstance(lock, QuorumMutex)
+    assert lock.acquire()
+    assert lock.owned() and lock.locked()
+    assert lock.owner()["pid"] > 0
+    # The lock exists on every master, with the same token.
+    assert [h.name for alias in ALIASES for h in held_locks(using=alias)] == ["inventory"] * 3
+    lock.release()
+    assert not lock.locked()
+    assert all(not held_locks(using=alias) for alias in ALIASES)
+
+
+def test_quorum_option_in_mutex_block(quorum_caches):
+    with mutex("report", using="locks") as lock:
+        assert isinstance(lock, QuorumMutex)
+        assert lock.aliases == tuple(ALIASES)
+        assert Mutex("report", using=ALIASES).locked()
+
+
+def test_second_owner_is_refused_with_retry_after(quorum_caches):
+    with mutex("inventory", using=ALIASES, ttl=5):
+        results: list[BaseException] = []
+
+        def contender() -> None:
+            try:
+                with mutex("inventory", using=ALIASES, blocking=False):
+                    pass
+            except LockContended as exc:
+                results.append(exc)
+
+        thread = threading.Thread(target=contender)
+        thread.start()
+        thread.join()
+        assert len(results) == 1
+        assert results[0].retry_after >= 1
+        assert results[0].owner is not None
+
+
+def test_waiter_gets_the_lock_after_release(quorum_caches):
+    first = Mutex("job", using=ALIASES)
+    assert first.acquire()
+    acquired = threading.Event()
+    fences: list[int] = []
+
+    def waiter() -> None:
+        lock = Mutex("job", using=ALIASES, timeout=10)
+        if lock.acquire():
+            fences.append(lock.fence)
+            acquired.set()
+            lock.release()
+
+    thread = threading.Thread(target=waiter)
+    thread.start()
+    assert not acquired.wait(0.2)
+    first_fence = first.fence
+    first.release()
+    assert acquired.wait(5)
+    thread.join()
+    assert fences[0] > first_fence
+
+
+def test_fences_increase_even_when_the_majority_changes(quorum_caches):
+    masters = quorum_caches
+    fences = []
+    for down in (None, 0, 1, 2, None):
+        if down is not None:
+            masters[down].kill()
+        with mutex("fenced", using=ALIASES) as lock:
+            fences.append(lock.fence)
+        if down is not None:
+            masters[down].start()
+    assert fences == sorted(fences) and len(set(fences)) == len(fences)
+
+
+def test_one_master_down_still_locks(quorum_caches):
+    quorum_caches[1].kill()
+    with mutex("inventory", using=ALIASES) as lock:
+        assert lock.owned()
+        assert lock.ttl() > 0
+
+
+def test_two_masters_down_is_backend_unavailable(quorum_caches):
+    quorum_caches[0].kill()
+    quorum_caches[2].kill()
+    with pytest.raises(LockBackendUnavailable, match="2 of 3 Redis masters"):
+        Mutex("inventory", using=ALIASES).acquire()
+
+
+def test_partial_grant_is_undone(quorum_caches):
+    # Another owner holds the lock on two masters; our attempt gets only one and
+    # must not leave its key behind there.
+    other = Mutex("split", using=ALIASES[1:])
+    assert isinstance(other, QuorumMutex) and other.acquire()
+    lock = Mutex("split", using=ALIASES)
+    assert not lock.acquire(blocking=False)
+    assert held_locks(using="r1") == []
+    other.release()
+
+
+def test_watchdog_keeps_a_quorum_lock_past_its_ttl(quorum_caches):
+    with mutex("long", using=ALIASES, ttl=0.3) as lock:
+        threading.Event().wait(1.0)
+        assert lock.owned()
+        assert not Mutex("long", using=ALIASES, reentrant=False).acquire(blocking=False)
+
+
+def test_async_quorum_lock(quorum_caches):
+    async def main() -> tuple[int, bool]:
+        async with mutex("async-job", using=ALIASES) as lock:
+            other = await Mutex("async-job", using=ALIASES, reentrant=False).aacquire(blocking=False)
+            return lock.fence, other
+
+    fence, other = asyncio.run(main())
+    assert fence > 0 and other is False
+
+
+def test_bad_alias_lists_are_rejected(quorum_caches):
+    with pytest.raises(ValueError, match="twice"):
+        Mutex("x", using=["r1", "r1"])
+    with pytest.raises(TypeError, match="aliases"):
+        Mutex("x", using=["r1", 3])
