@@ -117,12 +117,51 @@ def _raw_client(alias: str, kind: str) -> redis.Redis:
     return connection
 
 
+def _cluster_options(alias: str) -> tuple[str, dict[str, Any]]:
+    """Return the first LOCATION and the socket options of a CLUSTER alias."""
+    entry = cache_entry(alias)
+    location = entry.get("LOCATION", "")
+    if isinstance(location, (list, tuple)):
+        location = location[0] if location else ""
+    if isinstance(location, str) and "," in location:
+        location = location.split(",")[0]
+    if not isinstance(location, str) or not location:
+        raise ImproperlyConfigured(
+            f"CACHES[{alias!r}] has MUTEX CLUSTER set but no LOCATION naming a cluster node."
+        )
+    options = {str(k).lower(): v for k, v in (entry.get("OPTIONS") or {}).items()}
+    kwargs = {
+        name: options[name]
+        for name in ("socket_timeout", "socket_connect_timeout", "password", "username")
+        if options.get(name) is not None
+    }
+    return location, kwargs
+
+
+def _cluster_client(alias: str) -> Any:
+    # django-redis and Django's backend cannot talk to a Redis Cluster; for a
+    # lock alias marked CLUSTER the app asks redis-py's own cluster client,
+    # which routes each script by its keys' (shared) hash slot.
+    from redis.cluster import RedisCluster
+
+    location, kwargs = _cluster_options(alias)
+    return RedisCluster.from_url(location, **kwargs)
+
+
 def get_client(alias: str) -> redis.Redis:
-    """Return the raw redis-py client the cache ``alias`` holds (django-redis or Django's own)."""
+    """Return the raw redis-py client the cache ``alias`` holds (django-redis or Django's own).
+
+    For an alias whose MUTEX block sets ``CLUSTER``, return a
+    ``redis.cluster.RedisCluster`` on its LOCATION instead.
+    """
     client = _sync_clients.get(alias)
     if client is not None:
         return client
-    client = _raw_client(alias, _check_backend(alias))
+    kind = _check_backend(alias)
+    if get_settings(alias).cluster:
+        client = _cluster_client(alias)
+    else:
+        client = _raw_client(alias, kind)
     with _lock:
         _sync_clients.setdefault(alias, client)
     return _sync_clients[alias]
@@ -146,7 +185,11 @@ def _async_pool_for(sync_client: redis.Redis) -> Any:
     from redis import connection as sync_conn
     from redis.asyncio import connection as async_conn
 
+    from redis.sentinel import SentinelConnectionPool
+
     pool = sync_client.connection_pool
+    if isinstance(pool, SentinelConnectionPool):
+        return _async_sentinel_pool(pool)
     kwargs = {
         k: v for k, v in pool.connection_kwargs.items()
         if k in _SHARED_KWARGS and v is not None
@@ -163,6 +206,23 @@ def _async_pool_for(sync_client: redis.Redis) -> Any:
     )
 
 
+def _async_sentinel_pool(pool: Any) -> Any:
+    """Build a redis.asyncio Sentinel master pool asking the same sentinels for the same service."""
+    from redis.asyncio.sentinel import Sentinel, SentinelConnectionPool
+
+    manager = pool.sentinel_manager
+    sentinels = [
+        (s.connection_pool.connection_kwargs["host"], s.connection_pool.connection_kwargs["port"])
+        for s in manager.sentinels
+    ]
+    kwargs = {
+        k: v for k, v in pool.connection_kwargs.items()
+        if k in _SHARED_KWARGS and k not in ("host", "port") and v is not None
+    }
+    async_manager = Sentinel(sentinels, sentinel_kwargs=manager.sentinel_kwargs, **kwargs)
+    return SentinelConnectionPool(pool.service_name, async_manager, **kwargs)
+
+
 async def _close_with_loop(clients: dict[str, Any]) -> Any:
     """An async generator whose only job is to close ``clients`` when the loop shuts down.
 
@@ -175,7 +235,11 @@ async def _close_with_loop(clients: dict[str, Any]) -> Any:
         yield
     finally:
         for key, client in list(clients.items()):
-            if key != "__closer__":
+            if key == "__closer__":
+                continue
+            if hasattr(client, "get_nodes"):  # a cluster client owns its connections
+                await client.aclose()
+            else:
                 await client.aclose(close_connection_pool=True)
         clients.clear()
 
@@ -199,7 +263,13 @@ async def get_async_client(alias: str) -> redis.asyncio.Redis:
         _async_clients[loop] = per_loop
     client = per_loop.get(alias)
     if client is None:
-        client = aioredis.Redis(connection_pool=_async_pool_for(get_client(alias)))
+        if get_settings(alias).cluster:
+            from redis.asyncio.cluster import RedisCluster
+
+            location, kwargs = _cluster_options(alias)
+            client = RedisCluster.from_url(location, **kwargs)
+        else:
+            client = aioredis.Redis(connection_pool=_async_pool_for(get_client(alias)))
         per_loop[alias] = client
     return client
 

@@ -29,6 +29,7 @@ DEFAULTS: dict[str, Any] = {
     "RAISE_ON_LOST": True,
     "MAX_HOLD": None,
     "QUORUM": None,
+    "CLUSTER": False,
 }
 
 # A lease longer than a year is a bug in the caller, not a lock.
@@ -50,6 +51,7 @@ class MutexSettings:
     raise_on_lost: bool
     max_hold: float | None
     quorum: tuple[str, ...] | None = None
+    cluster: bool = False
 
 
 def _is_number(value: object) -> bool:
@@ -171,6 +173,7 @@ def parse_settings(alias: str, block: object) -> MutexSettings:
         raise_on_lost=_validate_bool(alias, "RAISE_ON_LOST", merged["RAISE_ON_LOST"]),
         max_hold=None if max_hold is None else _wrap(alias, "MAX_HOLD", validate_ttl, max_hold),
         quorum=_validate_quorum(alias, merged["QUORUM"]),
+        cluster=_validate_bool(alias, "CLUSTER", merged["CLUSTER"]),
     )
 
 

@@ -280,7 +280,7 @@ class Mutex:
     ) -> Any:
         """Block until handed the lock (return its fence) or the deadline passes (None)."""
         wake_key = self.keys.wake_prefix + token
-        socket_timeout = client.connection_pool.connection_kwargs.get("socket_timeout")
+        socket_timeout = _socket_timeout(client)
         while True:
             if deadline is not None and time.monotonic() >= deadline:
                 final = scripts.run(client, scripts.CANCEL, self.keys.script_keys,
@@ -344,7 +344,7 @@ class Mutex:
         cancels: int = 0,
     ) -> Any:
         wake_key = self.keys.wake_prefix + token
-        socket_timeout = client.connection_pool.connection_kwargs.get("socket_timeout")
+        socket_timeout = _socket_timeout(client)
         while True:
             self._raise_if_cancelled(cancels)
             if deadline is not None and time.monotonic() >= deadline:
@@ -665,6 +665,16 @@ def _owner_dict(raw: Any) -> dict[str, Any] | None:
     except ValueError:
         return None
     return value if isinstance(value, dict) else None
+
+
+def _socket_timeout(client: Any) -> Any:
+    """Return the socket timeout a client reads with (a pool's, or a cluster's nodes')."""
+    pool = getattr(client, "connection_pool", None)
+    if pool is not None:
+        return pool.connection_kwargs.get("socket_timeout")
+    nodes = getattr(client, "nodes_manager", None)
+    kwargs = getattr(nodes, "connection_kwargs", None) or getattr(client, "connection_kwargs", {})
+    return kwargs.get("socket_timeout")
 
 
 def _wants_quorum(using: object) -> bool:

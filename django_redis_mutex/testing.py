@@ -18,7 +18,7 @@ import time
 from pathlib import Path
 from types import TracebackType
 
-__all__ = ["RedisServer", "find_redis_server", "free_port"]
+__all__ = ["RedisClusterServers", "RedisServer", "find_redis_server", "free_port"]
 
 
 def find_redis_server() -> str:
@@ -43,11 +43,32 @@ def find_redis_server() -> str:
     )
 
 
-def free_port() -> int:
-    """Return a TCP port on 127.0.0.1 that nothing listens on right now."""
+def _port_is_free(port: int) -> bool:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
+        try:
+            sock.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+        return True
+
+
+def free_port(*, cluster: bool = False) -> int:
+    """Return a TCP port on 127.0.0.1 that nothing listens on right now.
+
+    With ``cluster=True`` the port is at most 55535 and port + 10000 (the
+    cluster bus) is free too, as Redis Cluster requires.
+    """
+    if not cluster:
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+            sock.bind(("127.0.0.1", 0))
+            return int(sock.getsockname()[1])
+    import random
+
+    for _ in range(200):
+        port = random.randint(20000, 45000)
+        if _port_is_free(port) and _port_is_free(port + 10000):
+            return port
+    raise RuntimeError("No free pair of ports for a Redis Cluster node.")
 
 
 class RedisServer:
@@ -58,16 +79,31 @@ class RedisServer:
     """
 
     def __init__(self, port: int | None = None, *, binary: str | None = None,
-                 extra_args: list[str] | None = None) -> None:
+                 extra_args: list[str] | None = None, cluster: bool = False) -> None:
         self.binary = binary or find_redis_server()
-        self.port = port or free_port()
+        self.port = port or free_port(cluster=cluster)
         self.extra_args = list(extra_args or [])
+        if cluster:
+            self.extra_args += ["--cluster-enabled", "yes", "--cluster-config-file",
+                                "nodes.conf", "--cluster-node-timeout", "2000"]
         self.process: subprocess.Popen[bytes] | None = None
         self._dir = tempfile.mkdtemp(prefix="django-redis-mutex-redis-")
 
     @property
     def url(self) -> str:
         return f"redis://127.0.0.1:{self.port}/0"
+
+    @property
+    def logfile(self) -> str:
+        return os.path.join(self._dir, "redis.log")
+
+    def log_tail(self, lines: int = 5) -> str:
+        """Return the last lines of the server's log, for error messages."""
+        try:
+            with open(self.logfile, encoding="utf-8", errors="replace") as log:
+                return " | ".join(log.read().strip().splitlines()[-lines:])
+        except OSError:
+            return "(no log)"
 
     def start(self, timeout: float = 10.0) -> RedisServer:
         """Start the server and return once it answers PING."""
@@ -76,7 +112,8 @@ class RedisServer:
         args = [
             self.binary, "--port", str(self.port), "--bind", "127.0.0.1",
             "--save", "", "--appendonly", "no", "--dir", self._dir,
-            "--daemonize", "no", "--protected-mode", "no", *self.extra_args,
+            "--daemonize", "no", "--protected-mode", "no",
+            "--logfile", self.logfile, *self.extra_args,
         ]
         self.process = subprocess.Popen(
             args, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT, start_new_session=True
@@ -85,7 +122,8 @@ class RedisServer:
         while time.monotonic() < deadline:
             if self.process.poll() is not None:
                 raise RuntimeError(
-                    f"redis-server exited with {self.process.returncode} on port {self.port}"
+                    f"redis-server exited with {self.process.returncode} on port {self.port}: "
+                    f"{self.log_tail()}"
                 )
             if self.ping():
                 return self
@@ -133,6 +171,59 @@ class RedisServer:
         shutil.rmtree(self._dir, ignore_errors=True)
 
     def __enter__(self) -> RedisServer:
+        return self.start()
+
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                 tb: TracebackType | None) -> None:
+        self.close()
+
+
+class RedisClusterServers:
+    """A throwaway Redis Cluster of ``primaries`` nodes on loopback (no replicas).
+
+    Slots are split evenly with CLUSTER ADDSLOTS and the nodes joined with
+    CLUSTER MEET, which works on every Redis since 3.0 without redis-cli.
+    """
+
+    def __init__(self, primaries: int = 3, *, binary: str | None = None) -> None:
+        self.nodes = [RedisServer(binary=binary, cluster=True) for _ in range(primaries)]
+
+    @property
+    def url(self) -> str:
+        return self.nodes[0].url
+
+    def start(self, timeout: float = 30.0) -> RedisClusterServers:
+        """Start the nodes, assign the slots, and return once the cluster state is ok."""
+        import redis
+
+        for node in self.nodes:
+            node.start()
+        clients = [redis.Redis(port=node.port) for node in self.nodes]
+        try:
+            share = 16384 // len(clients)
+            for index, client in enumerate(clients):
+                last = 16383 if index == len(clients) - 1 else (index + 1) * share - 1
+                client.execute_command("CLUSTER", "ADDSLOTS", *range(index * share, last + 1))
+            for client in clients[1:]:
+                client.execute_command("CLUSTER", "MEET", "127.0.0.1", self.nodes[0].port)
+            deadline = time.monotonic() + timeout
+            while time.monotonic() < deadline:
+                infos = [client.execute_command("CLUSTER", "INFO") for client in clients]
+                if all(b"cluster_state:ok" in info for info in infos):
+                    return self
+                time.sleep(0.05)
+        finally:
+            for client in clients:
+                client.close()
+        self.close()
+        raise TimeoutError(f"Redis Cluster did not reach state ok within {timeout}s")
+
+    def close(self) -> None:
+        """Stop every node and remove their directories."""
+        for node in self.nodes:
+            node.close()
+
+    def __enter__(self) -> RedisClusterServers:
         return self.start()
 
     def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,

@@ -134,6 +134,13 @@ class Watchdog:
         from .client import get_client
 
         client = get_client(alias)
+        if hasattr(client, "get_nodes"):
+            # A cluster client refuses scripts in pipelines; each renewal goes
+            # to the node owning that lock's slot.
+            return [
+                scripts.run(client, scripts.EXTEND, [lock_key], [hold.token, int(hold.ttl * 1000)])
+                for hold, lock_key in entries
+            ]
         for attempt in (1, 2):
             pipe = client.pipeline(transaction=False)
             for hold, lock_key in entries:
