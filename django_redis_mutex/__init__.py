@@ -10,6 +10,7 @@ from .exceptions import (
     LockError,
     LockLost,
     LockNotOwned,
+    StaleFence,
 )
 from .introspection import HeldLock, held_locks, reset, reset_all
 from .lock import DEFAULT, Mutex
@@ -26,6 +27,7 @@ __all__ = [
     "LockNotOwned",
     "Mutex",
     "MutexContext",
+    "StaleFence",
     "held_locks",
     "mutex",
     "reset",

@@ -14,6 +14,7 @@ __all__ = [
     "LockError",
     "LockLost",
     "LockNotOwned",
+    "StaleFence",
 ]
 
 
@@ -69,3 +70,32 @@ class LockNotOwned(LockError):
 
 class LockBackendUnavailable(LockError):
     """Redis could not be reached, or did not answer within the socket timeout."""
+
+
+class StaleFence(LockError):
+    """A fenced write was refused: a later holder of the lock already wrote the row.
+
+    The writer's hold ended without its knowing (a pause longer than its lease,
+    a reset, a Redis failover) and a newer holder, whose fencing token is
+    larger, has written since; nothing was changed. ``fence`` is the refused
+    token, ``current`` the token of the write the row holds now, ``name`` the
+    lock's name when the write was given the lock itself (else None).
+    """
+
+    def __init__(
+        self,
+        name: str | None,
+        *,
+        fence: int,
+        current: int,
+        target: str = "the row",
+    ) -> None:
+        by = f"lock {name!r} fence {fence}" if name is not None else f"fence {fence}"
+        super().__init__(
+            f"Fenced write to {target} refused: {by} is older than fence {current}, "
+            "which a later holder already wrote.",
+            name=name,
+        )
+        self.fence = fence
+        self.current = current
+        self.target = target

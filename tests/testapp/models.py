@@ -1,6 +1,7 @@
 from django.db import models
 
 from django_redis_mutex import mutex
+from django_redis_mutex.fencing import FencedModel
 
 
 class Counter(models.Model):
@@ -15,3 +16,11 @@ class Counter(models.Model):
         self.value += 1
         self.save(update_fields=["value"])
         return self.value
+
+
+class FencedRecord(FencedModel):
+    """A row that only lock holders write, each with its fence; tests check who wrote last."""
+
+    name = models.CharField(max_length=50, unique=True)
+    value = models.IntegerField(default=0)
+    written_by = models.CharField(max_length=50, default="")

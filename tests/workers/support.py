@@ -35,7 +35,9 @@ def data_client() -> redis.Redis:
     The workload (counters, barriers, signals) lives beside the locks, not in
     them: it is the "storage" a lock protects, reached without the app.
     """
-    return redis.Redis.from_url(os.environ["DJANGO_REDIS_MUTEX_TEST_URL"])
+    # redis-py reads with a 5 s socket timeout by default; signal waits are longer.
+    return redis.Redis.from_url(os.environ["DJANGO_REDIS_MUTEX_TEST_URL"],
+                                socket_timeout=SIGNAL_TIMEOUT + 10)
 
 
 def wait_for_signal(client: redis.Redis, key: str, what: str) -> None:
