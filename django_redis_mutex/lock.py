@@ -18,8 +18,9 @@ import time
 from collections.abc import Sequence
 from typing import Any, Literal
 
+from redis import exceptions as redis_errors
+
 from . import scripts, signals
-from .scripts import WAIT_LEASE
 from .client import backend_errors, get_async_client, get_client, namespace
 from .conf import MutexSettings, get_settings, validate_timeout, validate_ttl
 from .exceptions import LockBackendUnavailable, LockContended, LockLost, LockNotOwned
@@ -33,6 +34,7 @@ from .holds import (
     remember_hold,
 )
 from .keys import LockKeys, validate_name
+from .scripts import HANDOFF_LEASE, WAIT_LEASE
 from .watchdog import get_watchdog
 
 __all__ = ["DEFAULT", "Mutex"]
@@ -52,6 +54,8 @@ DEFAULT: Any = _Default()
 # Margin added to a wait capped by the holder's lease, so the waiter wakes just
 # after the key expired rather than just before.
 _EXPIRY_MARGIN = 0.002
+# Redis's default timer tick (hz 10): the resolution of a blocking pop's timeout.
+_REDIS_TICK = 0.1
 
 
 def _ms(seconds: float) -> int:
@@ -176,19 +180,40 @@ class Mutex:
     def _cancel_args(self, token: str) -> list[Any]:
         return [token, self.name]
 
-    def _wait_slice(self, deadline: float | None, pttl: int, socket_timeout: Any) -> float:
-        """Seconds to block now: until the deadline, the holder's expiry or a lease check-in."""
+    def _wait_slice(
+        self, deadline: float | None, pttl: int, socket_timeout: Any
+    ) -> tuple[float, bool]:
+        """Return how long to wait now, and whether to sleep locally instead of blocking on Redis.
+
+        The wait ends at the deadline, at the holder's expiry, or at a lease
+        check-in. Redis ends a blocking pop only on its timer tick (every
+        1000/hz ms), so the last tick before a holder's expiry is slept here
+        and the waiter checks in right after the key expired.
+        """
         wait = WAIT_LEASE / 2
         if deadline is not None:
             wait = min(wait, deadline - time.monotonic())
+        local = False
         if pttl > 0:
-            wait = min(wait, pttl / 1000 + _EXPIRY_MARGIN)
+            expiry = pttl / 1000 + _EXPIRY_MARGIN
+            if expiry <= _REDIS_TICK:
+                wait, local = min(wait, expiry), True
+            else:
+                wait = min(wait, expiry - _REDIS_TICK)
         if socket_timeout:
             # A blocking pop longer than the socket timeout would be cut as a failure.
             wait = min(wait, float(socket_timeout) * 0.8)
-        return max(wait, 0.001)
+        return max(wait, 0.001), local
 
-    def _granted(self, token: str, fence: Any, started: float) -> None:
+    def _granted(
+        self, token: str, fence: Any, started: float, lease_left: float | None = None
+    ) -> bool:
+        """Record a new hold; return True if the caller must extend it now.
+
+        ``lease_left`` is set when the lock was handed over with a shorter lease
+        than ours: the watchdog lengthens it soon, or without a watchdog the
+        caller extends it at once.
+        """
         hold = Hold(
             alias=self.using,
             name=self.name,
@@ -200,17 +225,19 @@ class Mutex:
             max_hold=self.settings.max_hold,
             raise_on_lost=self.settings.raise_on_lost,
         )
-        hold.expires_at = hold.acquired_at + self.lease
+        short = lease_left if lease_left is not None and lease_left < self.lease else None
+        hold.expires_at = hold.acquired_at + (self.lease if short is None else short)
         hold.targets, hold.quorum = self._hold_targets()
         self._hold = hold
         self._depth = 1
         remember_hold(hold)
         if self.watchdog:
-            get_watchdog().watch(hold)
+            get_watchdog().watch(hold, first_renewal=None if short is None else short / 3)
         if signals.lock_acquired.receivers:
             signals.lock_acquired.send(
                 sender=self.using, name=self.name, fence=hold.fence, wait=hold.acquired_at - started
             )
+        return short is not None and not self.watchdog
 
     def _hold_targets(self) -> tuple[tuple[tuple[str, str], ...], int]:
         """Return where a hold of this handle lives, and how many places must agree."""
@@ -264,36 +291,47 @@ class Mutex:
                 self._note_contention()
                 return False
             try:
-                fence = self._wait(client, token, deadline, reply, started)
+                granted = self._wait(client, token, deadline, reply, started)
+            except redis_errors.TimeoutError:
+                # Redis is not answering: a cancel would wait out another
+                # socket timeout. Our queue slot lapses after WAIT_LEASE.
+                raise
             except BaseException:
                 self._abandon(client, token)
                 raise
-        if fence is None:
+        if granted is None:
             self._contention = (*self._contention[:2], time.monotonic() - started)
             self._note_contention()
             return False
-        self._granted(token, fence, started)
+        if self._granted(token, granted[0], started, lease_left=granted[1]):
+            self.extend()
         return True
 
     def _wait(
         self, client: Any, token: str, deadline: float | None, reply: list[Any], started: float
     ) -> Any:
-        """Block until handed the lock (return its fence) or the deadline passes (None)."""
+        """Block until we hold the lock or the deadline passes.
+
+        Return (fence, seconds of lease it came with, or None for our full
+        lease), or None when the deadline passed without the lock.
+        """
         wake_key = self.keys.wake_prefix + token
         socket_timeout = _socket_timeout(client)
         while True:
             if deadline is not None and time.monotonic() >= deadline:
                 final = scripts.run(client, scripts.CANCEL, self.keys.script_keys,
                                     self._cancel_args(token))
-                return final[1] if final[0] == 1 else None
-            popped = client.blpop([wake_key], timeout=self._wait_slice(deadline, reply[1], socket_timeout))
-            if popped:
-                return popped[1]
+                return (final[1], HANDOFF_LEASE) if final[0] == 1 else None
+            wait, local = self._wait_slice(deadline, reply[1], socket_timeout)
+            if local:
+                time.sleep(wait)
+            elif popped := client.blpop([wake_key], timeout=wait):
+                return popped[1], HANDOFF_LEASE
             # Woken by our own timer: check in (keeps our place) and retry.
             reply = scripts.run(client, scripts.ACQUIRE, self.keys.script_keys,
                                 self._acquire_args(token, True))
             if reply[0] == 1:
-                return reply[1]
+                return reply[1], (int(reply[2]) / 1000 if len(reply) > 2 else None)
             self._refused(reply, started)
 
     def _abandon(self, client: Any, token: str) -> None:
@@ -328,15 +366,18 @@ class Mutex:
                 self._note_contention()
                 return False
             try:
-                fence = await self._await(client, token, deadline, reply, started, cancels)
+                granted = await self._await(client, token, deadline, reply, started, cancels)
+            except redis_errors.TimeoutError:
+                raise
             except BaseException:
                 await asyncio.shield(self._aabandon(client, token))
                 raise
-        if fence is None:
+        if granted is None:
             self._contention = (*self._contention[:2], time.monotonic() - started)
             self._note_contention()
             return False
-        self._granted(token, fence, started)
+        if self._granted(token, granted[0], started, lease_left=granted[1]):
+            await self.aextend()
         return True
 
     async def _await(
@@ -350,16 +391,19 @@ class Mutex:
             if deadline is not None and time.monotonic() >= deadline:
                 final = await scripts.arun(client, scripts.CANCEL, self.keys.script_keys,
                                            self._cancel_args(token))
-                return final[1] if final[0] == 1 else None
-            wait = self._wait_slice(deadline, reply[1], socket_timeout)
-            popped = await client.blpop([wake_key], timeout=wait)
-            self._raise_if_cancelled(cancels)
-            if popped:
-                return popped[1]
+                return (final[1], HANDOFF_LEASE) if final[0] == 1 else None
+            wait, local = self._wait_slice(deadline, reply[1], socket_timeout)
+            if local:
+                await asyncio.sleep(wait)
+            else:
+                popped = await client.blpop([wake_key], timeout=wait)
+                self._raise_if_cancelled(cancels)
+                if popped:
+                    return popped[1], HANDOFF_LEASE
             reply = await scripts.arun(client, scripts.ACQUIRE, self.keys.script_keys,
                                        self._acquire_args(token, True))
             if reply[0] == 1:
-                return reply[1]
+                return reply[1], (int(reply[2]) / 1000 if len(reply) > 2 else None)
             self._refused(reply, started)
 
     def _raise_if_cancelled(self, cancels: int) -> None:
@@ -384,6 +428,14 @@ class Mutex:
 
     def _release_args(self, token: str) -> list[Any]:
         return [token]
+
+    @staticmethod
+    def _release_failed_locally(hold: Hold) -> None:
+        # The release may have reached Redis with only its reply lost: stop
+        # renewing, and never let a nested acquire join this hold again
+        # without asking Redis. The token stays, so the release can be retried.
+        get_watchdog().unwatch(hold)
+        hold.expires_at = -math.inf
 
     def _held_or_raise(self, action: str) -> Hold:
         hold = self._hold
@@ -443,7 +495,7 @@ class Mutex:
                 released = scripts.run(get_client(self.using), scripts.RELEASE,
                                        self.keys.script_keys, self._release_args(hold.token))
         except BaseException:
-            get_watchdog().unwatch(hold)
+            self._release_failed_locally(hold)
             raise
         self._finish(hold, released)
 
@@ -458,7 +510,7 @@ class Mutex:
                 released = await scripts.arun(client, scripts.RELEASE, self.keys.script_keys,
                                               self._release_args(hold.token))
         except BaseException:
-            get_watchdog().unwatch(hold)
+            self._release_failed_locally(hold)
             raise
         self._finish(hold, released)
 

@@ -29,7 +29,7 @@ from typing import Any
 from . import scripts
 from .client import UNAVAILABLE, get_async_client, get_client, namespace
 from .conf import validate_aliases
-from .exceptions import LockBackendUnavailable, LockNotOwned
+from .exceptions import LockBackendUnavailable
 from .holds import Hold, decode
 from .keys import LockKeys
 from .lock import DEFAULT, Mutex, _ms, _owner_dict
@@ -240,9 +240,7 @@ class QuorumMutex(Mutex):
         released = sum(1 for reply in replies.values() if reply)
         if released < self.quorum and released + len(errors) >= self.quorum:
             # Cannot tell whether a majority still had it; the leases end by themselves.
-            from .watchdog import get_watchdog
-
-            get_watchdog().unwatch(hold)
+            self._release_failed_locally(hold)
             raise self._unavailable(errors, "release")
         self._finish(hold, 1 if released >= self.quorum else 0)
 

@@ -31,6 +31,7 @@ __all__ = [
     "CANCEL",
     "EXTEND",
     "FENCE_RETENTION",
+    "HANDOFF_LEASE",
     "RELEASE",
     "RESET",
     "WAIT_LEASE",
@@ -44,6 +45,10 @@ __all__ = [
 # waiter that died is skipped after at most this long. Waiters check in every
 # half lease. Also the life of an unread wake-up list.
 WAIT_LEASE = 2.0
+# A lock handed to a waiter starts with at most this lease (the watchdog then
+# renews it to the full TTL): a waiter that died in its queue slot stalls the
+# others for this long, not for a whole TTL.
+HANDOFF_LEASE = 2 * WAIT_LEASE
 # How long a fence counter outlives the last acquisition of its name. After it
 # expires the next fence starts from the server clock, which is still larger.
 FENCE_RETENTION = 24 * 3600.0
@@ -52,6 +57,7 @@ FENCE_RETENTION = 24 * 3600.0
 _COMMON = (
     f"local WAIT_LEASE = {int(WAIT_LEASE * 1000)}\n"
     f"local FENCE_RETENTION = {int(FENCE_RETENTION * 1000)}\n"
+    f"local HANDOFF_LEASE = {int(HANDOFF_LEASE * 1000)}\n"
     "local WAKE_PREFIX = KEYS[1] .. ':wake:'\n"
 ) + r"""
 local function now_us()
@@ -105,7 +111,7 @@ local function hand_off(name, now)
     ttl = tonumber(string.sub(info, 1, sep - 1))
     owner = string.sub(info, sep + 1)
   end
-  local fence = grant(head, ttl, owner, name, now)
+  local fence = grant(head, math.min(ttl, HANDOFF_LEASE), owner, name, now)
   local wake = WAKE_PREFIX .. head
   redis.call('RPUSH', wake, fence)
   redis.call('PEXPIRE', wake, WAIT_LEASE)
@@ -130,8 +136,9 @@ class LuaScript:
 # KEYS[1..5] as above.
 # ARGV[1] token, ARGV[2] ttl ms, ARGV[3] owner JSON, ARGV[4] lock name,
 # ARGV[5] 1 to join the queue when contended (blocking) or 0 (try once).
-# Returns {1, fence} when the caller now holds the lock (also when it had been
-# handed over already), else {0, pttl ms of the holder, holder owner JSON}.
+# Returns {1, fence} when the caller now holds the lock, {1, fence, pttl ms}
+# when it had been handed over already (with the shorter hand-off lease), else
+# {0, pttl ms of the holder, holder owner JSON}.
 ACQUIRE = LuaScript(
     "acquire",
     _COMMON
@@ -142,7 +149,7 @@ local holder = redis.call('HGET', KEYS[1], 'token')
 if holder == token then
   forget_waiter(token)
   redis.call('DEL', WAKE_PREFIX .. token)
-  return {1, redis.call('HGET', KEYS[1], 'fence')}
+  return {1, redis.call('HGET', KEYS[1], 'fence'), redis.call('PTTL', KEYS[1])}
 end
 if not holder and redis.call('EXISTS', KEYS[3]) == 0 then
   -- Free and nobody waiting: the common, uncontended case.

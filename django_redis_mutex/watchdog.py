@@ -45,9 +45,9 @@ class Watchdog:
         self._thread: threading.Thread | None = None
         self._wake_at = float("inf")
 
-    def watch(self, hold: Hold) -> None:
-        """Start renewing ``hold`` every ttl/3 until :meth:`unwatch`."""
-        hold.renew_at = time.monotonic() + hold.ttl / 3
+    def watch(self, hold: Hold, first_renewal: float | None = None) -> None:
+        """Start renewing ``hold`` every ttl/3 (the first time after ``first_renewal`` s)."""
+        hold.renew_at = time.monotonic() + (hold.ttl / 3 if first_renewal is None else first_renewal)
         with self._cond:
             self._holds[id(hold)] = hold
             if self._thread is None or not self._thread.is_alive():
