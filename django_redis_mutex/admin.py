@@ -49,8 +49,9 @@ class LockAdmin(admin.ModelAdmin):  # type: ignore[type-arg]
             path("release/", wrap(self.release_view), name="{}_{}_release".format(*info)),
         ]
 
-    def changelist_view(self, request: HttpRequest,
-                        extra_context: dict[str, Any] | None = None) -> HttpResponse:
+    def changelist_view(
+        self, request: HttpRequest, extra_context: dict[str, Any] | None = None
+    ) -> HttpResponse:
         return views.lock_list(request, self, extra_context)
 
     def release_view(self, request: HttpRequest) -> HttpResponse:

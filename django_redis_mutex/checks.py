@@ -20,13 +20,15 @@ def check_mutex_settings(app_configs: Any = None, **kwargs: Any) -> list[Error]:
         if "MUTEX" not in entry:
             continue
         if backend_kind(str(entry.get("BACKEND", ""))) is None:
-            errors.append(Error(
-                f"CACHES[{alias!r}] has a MUTEX block but BACKEND {entry.get('BACKEND')!r} "
-                "is not a Redis cache.",
-                hint="Use django_redis.cache.RedisCache or "
-                "django.core.cache.backends.redis.RedisCache for caches that carry locks.",
-                id="django_redis_mutex.E001",
-            ))
+            errors.append(
+                Error(
+                    f"CACHES[{alias!r}] has a MUTEX block but BACKEND {entry.get('BACKEND')!r} "
+                    "is not a Redis cache.",
+                    hint="Use django_redis.cache.RedisCache or "
+                    "django.core.cache.backends.redis.RedisCache for caches that carry locks.",
+                    id="django_redis_mutex.E001",
+                )
+            )
             continue
         try:
             config = parse_settings(alias, entry["MUTEX"])

@@ -46,9 +46,9 @@ UNAVAILABLE = (redis_errors.ConnectionError, redis_errors.TimeoutError, OSError)
 
 _lock = threading.Lock()
 _sync_clients: dict[str, redis.Redis] = {}
-_async_clients: weakref.WeakKeyDictionary[
-    asyncio.AbstractEventLoop, dict[str, Any]
-] = weakref.WeakKeyDictionary()
+_async_clients: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, dict[str, Any]] = (
+    weakref.WeakKeyDictionary()
+)
 _namespaces: dict[str, str] = {}
 
 
@@ -82,7 +82,8 @@ def lock_aliases() -> list[str]:
     from django.conf import settings
 
     return [
-        alias for alias, entry in getattr(settings, "CACHES", {}).items()
+        alias
+        for alias, entry in getattr(settings, "CACHES", {}).items()
         if backend_kind(str(entry.get("BACKEND", ""))) is not None
     ]
 
@@ -148,7 +149,7 @@ def _cluster_client(alias: str) -> Any:
     return RedisCluster.from_url(location, **kwargs)
 
 
-def get_client(alias: str) -> redis.Redis:
+def get_client(alias: str) -> Any:
     """Return the raw redis-py client the cache ``alias`` holds (django-redis or Django's own).
 
     For an alias whose MUTEX block sets ``CLUSTER``, return a
@@ -158,10 +159,7 @@ def get_client(alias: str) -> redis.Redis:
     if client is not None:
         return client
     kind = _check_backend(alias)
-    if get_settings(alias).cluster:
-        client = _cluster_client(alias)
-    else:
-        client = _raw_client(alias, kind)
+    client = _cluster_client(alias) if get_settings(alias).cluster else _raw_client(alias, kind)
     with _lock:
         _sync_clients.setdefault(alias, client)
     return _sync_clients[alias]
@@ -170,12 +168,31 @@ def get_client(alias: str) -> redis.Redis:
 # Connection settings a user sets (URL, OPTIONS) that mean the same to the
 # async client. Transport internals of the sync pool are not carried over.
 _SHARED_KWARGS = (
-    "host", "port", "path", "db", "username", "password", "credential_provider",
-    "socket_timeout", "socket_connect_timeout", "socket_keepalive",
-    "socket_keepalive_options", "encoding", "encoding_errors", "decode_responses",
-    "client_name", "health_check_interval", "protocol",
-    "ssl_keyfile", "ssl_certfile", "ssl_cert_reqs", "ssl_ca_certs", "ssl_ca_data",
-    "ssl_check_hostname", "ssl_min_version", "ssl_ciphers",
+    "host",
+    "port",
+    "path",
+    "db",
+    "username",
+    "password",
+    "credential_provider",
+    "socket_timeout",
+    "socket_connect_timeout",
+    "socket_keepalive",
+    "socket_keepalive_options",
+    "encoding",
+    "encoding_errors",
+    "decode_responses",
+    "client_name",
+    "health_check_interval",
+    "protocol",
+    "ssl_keyfile",
+    "ssl_certfile",
+    "ssl_cert_reqs",
+    "ssl_ca_certs",
+    "ssl_ca_data",
+    "ssl_check_hostname",
+    "ssl_min_version",
+    "ssl_ciphers",
 )
 
 
@@ -184,15 +201,13 @@ def _async_pool_for(sync_client: redis.Redis) -> Any:
     import redis.asyncio as aioredis
     from redis import connection as sync_conn
     from redis.asyncio import connection as async_conn
-
     from redis.sentinel import SentinelConnectionPool
 
     pool = sync_client.connection_pool
     if isinstance(pool, SentinelConnectionPool):
         return _async_sentinel_pool(pool)
     kwargs = {
-        k: v for k, v in pool.connection_kwargs.items()
-        if k in _SHARED_KWARGS and v is not None
+        k: v for k, v in pool.connection_kwargs.items() if k in _SHARED_KWARGS and v is not None
     }
     conn_class: Any = async_conn.Connection
     if issubclass(pool.connection_class, sync_conn.UnixDomainSocketConnection):
@@ -208,7 +223,7 @@ def _async_pool_for(sync_client: redis.Redis) -> Any:
 
 def _async_sentinel_pool(pool: Any) -> Any:
     """Build a redis.asyncio Sentinel master pool asking the same sentinels for the same service."""
-    from redis.asyncio.sentinel import Sentinel, SentinelConnectionPool
+    from redis.asyncio import sentinel
 
     manager = pool.sentinel_manager
     sentinels = [
@@ -216,11 +231,15 @@ def _async_sentinel_pool(pool: Any) -> Any:
         for s in manager.sentinels
     ]
     kwargs = {
-        k: v for k, v in pool.connection_kwargs.items()
+        k: v
+        for k, v in pool.connection_kwargs.items()
         if k in _SHARED_KWARGS and k not in ("host", "port") and v is not None
     }
-    async_manager = Sentinel(sentinels, sentinel_kwargs=manager.sentinel_kwargs, **kwargs)
-    return SentinelConnectionPool(pool.service_name, async_manager, **kwargs)
+    sentinel_module: Any = sentinel  # redis-py leaves these constructors untyped
+    async_manager = sentinel_module.Sentinel(
+        sentinels, sentinel_kwargs=manager.sentinel_kwargs, **kwargs
+    )
+    return sentinel_module.SentinelConnectionPool(pool.service_name, async_manager, **kwargs)
 
 
 async def _close_with_loop(clients: dict[str, Any]) -> Any:
@@ -244,7 +263,7 @@ async def _close_with_loop(clients: dict[str, Any]) -> Any:
         clients.clear()
 
 
-async def get_async_client(alias: str) -> redis.asyncio.Redis:
+async def get_async_client(alias: str) -> Any:
     """Return a redis.asyncio client for ``alias`` bound to the running event loop.
 
     It shares the cache's connection settings (host, db, password, socket

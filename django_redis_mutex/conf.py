@@ -123,7 +123,9 @@ def validate_prefix(alias: str, prefix: object) -> str:
 def validate_aliases(value: object, *, what: str = "using") -> tuple[str, ...]:
     """Return a list of cache aliases for a quorum lock as a tuple, or raise."""
     if not isinstance(value, (list, tuple)):
-        raise TypeError(f"{what} must be a cache alias or a list of them, not {type(value).__name__}.")
+        raise TypeError(
+            f"{what} must be a cache alias or a list of them, not {type(value).__name__}."
+        )
     if not value:
         raise ValueError(f"{what} must name at least one cache alias.")
     for alias in value:

@@ -137,7 +137,9 @@ class MutexContext:
 
     # -- decorator: the name is filled from the call -------------------------
 
-    def name_for(self, func: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> str:
+    def name_for(
+        self, func: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> str:
         """Return the lock name for one call of ``func``."""
         if self._name_template is None:
             name = cast(Callable[..., Any], self._name)(*args, **kwargs)

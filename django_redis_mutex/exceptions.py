@@ -47,9 +47,7 @@ class LockContended(LockError):
             holder = " by {}".format(
                 ", ".join(f"{k}={v}" for k, v in owner.items() if v not in (None, ""))
             )
-        super().__init__(
-            f"Lock {name!r} is held{holder}; retry after {retry_after}s.", name=name
-        )
+        super().__init__(f"Lock {name!r} is held{holder}; retry after {retry_after}s.", name=name)
         self.retry_after = retry_after
         self.owner = owner
         self.waited = waited

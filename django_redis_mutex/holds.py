@@ -22,7 +22,14 @@ from typing import Any
 
 from .keys import LockKeys
 
-__all__ = ["Hold", "current_hold", "current_owner", "forget_hold", "owner_metadata", "remember_hold"]
+__all__ = [
+    "Hold",
+    "current_hold",
+    "current_owner",
+    "forget_hold",
+    "owner_metadata",
+    "remember_hold",
+]
 
 
 def _running_task() -> asyncio.Task[Any] | None:

@@ -50,8 +50,9 @@ class HeldLock:
 def _lock_keys(client: Any, alias: str) -> Iterator[list[str]]:
     """Yield batches of lock keys of ``alias``'s namespace."""
     batch: list[str] = []
-    for key in client.scan_iter(match=lock_pattern(namespace(alias)), count=SCAN_BATCH,
-                                _type="hash"):
+    for key in client.scan_iter(
+        match=lock_pattern(namespace(alias)), count=SCAN_BATCH, _type="hash"
+    ):
         batch.append(decode(key))
         if len(batch) >= SCAN_BATCH:
             yield batch
@@ -109,8 +110,7 @@ def reset(name: str, using: str = "default") -> bool:
     validate_name(name)
     keys = LockKeys.for_name(namespace(using), name)
     with backend_errors(name, using):
-        done = scripts.run(get_client(using), scripts.RESET, keys.script_keys,
-                           [])
+        done = scripts.run(get_client(using), scripts.RESET, keys.script_keys, [])
     return bool(done)
 
 
@@ -122,6 +122,5 @@ def reset_all(using: str = "default") -> int:
         for batch in _lock_keys(client, using):
             for key in batch:
                 keys = LockKeys.for_lock_key(key)
-                count += scripts.run(client, scripts.RESET, keys.script_keys,
-                                     [])
+                count += scripts.run(client, scripts.RESET, keys.script_keys, [])
     return count

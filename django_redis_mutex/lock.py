@@ -104,10 +104,14 @@ class Mutex:
         self.timeout: float | None = (
             config.timeout if timeout is DEFAULT else validate_timeout(timeout)
         )
-        self.blocking: bool = config.blocking if blocking is DEFAULT else _flag("blocking", blocking)
+        self.blocking: bool = (
+            config.blocking if blocking is DEFAULT else _flag("blocking", blocking)
+        )
         if blocking is False and timeout is not DEFAULT and timeout is not None:
             raise ValueError("A timeout cannot be given for a non-blocking lock (blocking=False).")
-        self.watchdog: bool = config.watchdog if watchdog is DEFAULT else _flag("watchdog", watchdog)
+        self.watchdog: bool = (
+            config.watchdog if watchdog is DEFAULT else _flag("watchdog", watchdog)
+        )
         self.reentrant: bool = _flag("reentrant", reentrant)
         if label is not None and not isinstance(label, str):
             raise TypeError(f"label must be a string or None, not {type(label).__name__}.")
@@ -281,8 +285,9 @@ class Mutex:
         token = secrets.token_hex(16)
         client = get_client(self.using)
         with backend_errors(self.name, self.using):
-            reply = scripts.run(client, scripts.ACQUIRE, self.keys.script_keys,
-                                self._acquire_args(token, blocking))
+            reply = scripts.run(
+                client, scripts.ACQUIRE, self.keys.script_keys, self._acquire_args(token, blocking)
+            )
             if reply[0] == 1:
                 self._granted(token, reply[1], started)
                 return True
@@ -319,8 +324,9 @@ class Mutex:
         socket_timeout = _socket_timeout(client)
         while True:
             if deadline is not None and time.monotonic() >= deadline:
-                final = scripts.run(client, scripts.CANCEL, self.keys.script_keys,
-                                    self._cancel_args(token))
+                final = scripts.run(
+                    client, scripts.CANCEL, self.keys.script_keys, self._cancel_args(token)
+                )
                 return (final[1], HANDOFF_LEASE) if final[0] == 1 else None
             wait, local = self._wait_slice(deadline, reply[1], socket_timeout)
             if local:
@@ -328,8 +334,9 @@ class Mutex:
             elif popped := client.blpop([wake_key], timeout=wait):
                 return popped[1], HANDOFF_LEASE
             # Woken by our own timer: check in (keeps our place) and retry.
-            reply = scripts.run(client, scripts.ACQUIRE, self.keys.script_keys,
-                                self._acquire_args(token, True))
+            reply = scripts.run(
+                client, scripts.ACQUIRE, self.keys.script_keys, self._acquire_args(token, True)
+            )
             if reply[0] == 1:
                 return reply[1], (int(reply[2]) / 1000 if len(reply) > 2 else None)
             self._refused(reply, started)
@@ -337,11 +344,13 @@ class Mutex:
     def _abandon(self, client: Any, token: str) -> None:
         """Leave the queue after an interrupted wait, releasing the lock if it was handed over."""
         try:
-            final = scripts.run(client, scripts.CANCEL, self.keys.script_keys,
-                                self._cancel_args(token))
+            final = scripts.run(
+                client, scripts.CANCEL, self.keys.script_keys, self._cancel_args(token)
+            )
             if final[0] == 1:
-                scripts.run(client, scripts.RELEASE, self.keys.script_keys,
-                            self._release_args(token))
+                scripts.run(
+                    client, scripts.RELEASE, self.keys.script_keys, self._release_args(token)
+                )
         except Exception as exc:  # the interrupt that brought us here is what propagates
             logger.warning("Could not leave the wait queue of lock %r: %s", self.name, exc)
 
@@ -356,8 +365,9 @@ class Mutex:
         cancels = _cancel_requests()
         with backend_errors(self.name, self.using):
             client = await get_async_client(self.using)
-            reply = await scripts.arun(client, scripts.ACQUIRE, self.keys.script_keys,
-                                       self._acquire_args(token, blocking))
+            reply = await scripts.arun(
+                client, scripts.ACQUIRE, self.keys.script_keys, self._acquire_args(token, blocking)
+            )
             if reply[0] == 1:
                 self._granted(token, reply[1], started)
                 return True
@@ -381,7 +391,12 @@ class Mutex:
         return True
 
     async def _await(
-        self, client: Any, token: str, deadline: float | None, reply: list[Any], started: float,
+        self,
+        client: Any,
+        token: str,
+        deadline: float | None,
+        reply: list[Any],
+        started: float,
         cancels: int = 0,
     ) -> Any:
         wake_key = self.keys.wake_prefix + token
@@ -389,8 +404,9 @@ class Mutex:
         while True:
             self._raise_if_cancelled(cancels)
             if deadline is not None and time.monotonic() >= deadline:
-                final = await scripts.arun(client, scripts.CANCEL, self.keys.script_keys,
-                                           self._cancel_args(token))
+                final = await scripts.arun(
+                    client, scripts.CANCEL, self.keys.script_keys, self._cancel_args(token)
+                )
                 return (final[1], HANDOFF_LEASE) if final[0] == 1 else None
             wait, local = self._wait_slice(deadline, reply[1], socket_timeout)
             if local:
@@ -400,8 +416,9 @@ class Mutex:
                 self._raise_if_cancelled(cancels)
                 if popped:
                     return popped[1], HANDOFF_LEASE
-            reply = await scripts.arun(client, scripts.ACQUIRE, self.keys.script_keys,
-                                       self._acquire_args(token, True))
+            reply = await scripts.arun(
+                client, scripts.ACQUIRE, self.keys.script_keys, self._acquire_args(token, True)
+            )
             if reply[0] == 1:
                 return reply[1], (int(reply[2]) / 1000 if len(reply) > 2 else None)
             self._refused(reply, started)
@@ -416,11 +433,13 @@ class Mutex:
 
     async def _aabandon(self, client: Any, token: str) -> None:
         try:
-            final = await scripts.arun(client, scripts.CANCEL, self.keys.script_keys,
-                                       self._cancel_args(token))
+            final = await scripts.arun(
+                client, scripts.CANCEL, self.keys.script_keys, self._cancel_args(token)
+            )
             if final[0] == 1:
-                await scripts.arun(client, scripts.RELEASE, self.keys.script_keys,
-                                   self._release_args(token))
+                await scripts.arun(
+                    client, scripts.RELEASE, self.keys.script_keys, self._release_args(token)
+                )
         except Exception as exc:
             logger.warning("Could not leave the wait queue of lock %r: %s", self.name, exc)
 
@@ -492,8 +511,12 @@ class Mutex:
             return
         try:
             with backend_errors(self.name, self.using):
-                released = scripts.run(get_client(self.using), scripts.RELEASE,
-                                       self.keys.script_keys, self._release_args(hold.token))
+                released = scripts.run(
+                    get_client(self.using),
+                    scripts.RELEASE,
+                    self.keys.script_keys,
+                    self._release_args(hold.token),
+                )
         except BaseException:
             self._release_failed_locally(hold)
             raise
@@ -507,8 +530,9 @@ class Mutex:
         try:
             with backend_errors(self.name, self.using):
                 client = await get_async_client(self.using)
-                released = await scripts.arun(client, scripts.RELEASE, self.keys.script_keys,
-                                              self._release_args(hold.token))
+                released = await scripts.arun(
+                    client, scripts.RELEASE, self.keys.script_keys, self._release_args(hold.token)
+                )
         except BaseException:
             self._release_failed_locally(hold)
             raise
@@ -536,8 +560,9 @@ class Mutex:
         ttl = self.lease if ttl is None else validate_ttl(ttl)
         hold = self._held_or_raise("extend")
         with backend_errors(self.name, self.using):
-            ok = scripts.run(get_client(self.using), scripts.EXTEND, [self.keys.lock],
-                             [hold.token, _ms(ttl)])
+            ok = scripts.run(
+                get_client(self.using), scripts.EXTEND, [self.keys.lock], [hold.token, _ms(ttl)]
+            )
         self._extended(hold, ttl, ok)
 
     async def aextend(self, ttl: float | None = None) -> None:
@@ -545,8 +570,12 @@ class Mutex:
         ttl = self.lease if ttl is None else validate_ttl(ttl)
         hold = self._held_or_raise("extend")
         with backend_errors(self.name, self.using):
-            ok = await scripts.arun((await get_async_client(self.using)), scripts.EXTEND,
-                                    [self.keys.lock], [hold.token, _ms(ttl)])
+            ok = await scripts.arun(
+                (await get_async_client(self.using)),
+                scripts.EXTEND,
+                [self.keys.lock],
+                [hold.token, _ms(ttl)],
+            )
         self._extended(hold, ttl, ok)
 
     def _state_from(self, token: Any, pttl: int) -> float:
@@ -625,8 +654,9 @@ class Mutex:
         if not self.settings.fail_open:
             raise exc
         self._failed_open = True
-        logger.warning("FAIL_OPEN: running %r unlocked because Redis is unavailable: %s",
-                       self.name, exc)
+        logger.warning(
+            "FAIL_OPEN: running %r unlocked because Redis is unavailable: %s", self.name, exc
+        )
 
     def __enter__(self) -> Mutex:
         self._failed_open = False

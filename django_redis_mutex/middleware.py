@@ -102,8 +102,12 @@ class MutexMiddleware:
             # like a 4xx, so error mail (AdminEmailHandler) is not sent for it.
             log_response(
                 "Service Unavailable (lock %r is held, retry after %ss): %s",
-                exception.name, retry_after, request.path,
-                response=response, request=request, level="warning",
+                exception.name,
+                retry_after,
+                request.path,
+                response=response,
+                request=request,
+                level="warning",
             )
             return response
         if isinstance(exception, LockBackendUnavailable):
@@ -113,8 +117,12 @@ class MutexMiddleware:
                 request, lock=None, retry_after=self.unavailable_retry_after
             )
             log_response(
-                "Service Unavailable: %s: %s", request.path, exception,
-                response=response, request=request, level="error",
+                "Service Unavailable: %s: %s",
+                request.path,
+                exception,
+                response=response,
+                request=request,
+                level="error",
             )
             return response
         return None

@@ -65,8 +65,9 @@ class QuorumMutex(Mutex):
         super().__init__(name, using=aliases[0], **options)
         self.aliases = aliases
         self.quorum = len(aliases) // 2 + 1
-        self.member_keys = {alias: LockKeys.for_name(namespace(alias), self.name)
-                            for alias in aliases}
+        self.member_keys = {
+            alias: LockKeys.for_name(namespace(alias), self.name) for alias in aliases
+        }
 
     def __repr__(self) -> str:
         state = f"fence={self.fence}" if self._hold is not None else "unlocked"
@@ -110,14 +111,23 @@ class QuorumMutex(Mutex):
         for alias in self.aliases:
             keys = self.member_keys[alias]
             try:
-                replies[alias] = scripts.run(get_client(alias), scripts.ACQUIRE, keys.script_keys,
-                                             self._acquire_args(token, False))
+                replies[alias] = scripts.run(
+                    get_client(alias),
+                    scripts.ACQUIRE,
+                    keys.script_keys,
+                    self._acquire_args(token, False),
+                )
             except UNAVAILABLE as exc:
                 errors[alias] = exc
         return replies, errors
 
-    def _each(self, script: scripts.LuaScript, keys_of: Any, args: list[Any],
-              only: Sequence[str] | None = None) -> tuple[dict[str, Any], dict[str, BaseException]]:
+    def _each(
+        self,
+        script: scripts.LuaScript,
+        keys_of: Any,
+        args: list[Any],
+        only: Sequence[str] | None = None,
+    ) -> tuple[dict[str, Any], dict[str, BaseException]]:
         replies: dict[str, Any] = {}
         errors: dict[str, BaseException] = {}
         for alias in only if only is not None else self.aliases:
@@ -127,9 +137,13 @@ class QuorumMutex(Mutex):
                 errors[alias] = exc
         return replies, errors
 
-    async def _aeach(self, script: scripts.LuaScript, keys_of: Any, args: list[Any],
-                     only: Sequence[str] | None = None
-                     ) -> tuple[dict[str, Any], dict[str, BaseException]]:
+    async def _aeach(
+        self,
+        script: scripts.LuaScript,
+        keys_of: Any,
+        args: list[Any],
+        only: Sequence[str] | None = None,
+    ) -> tuple[dict[str, Any], dict[str, BaseException]]:
         aliases = list(only if only is not None else self.aliases)
 
         async def one(alias: str) -> Any:
@@ -158,8 +172,14 @@ class QuorumMutex(Mutex):
 
     # -- acquire ----------------------------------------------------------------
 
-    def _outcome(self, token: str, replies: dict[str, Any], errors: dict[str, BaseException],
-                 attempt_started: float, started: float) -> int | None:
+    def _outcome(
+        self,
+        token: str,
+        replies: dict[str, Any],
+        errors: dict[str, BaseException],
+        attempt_started: float,
+        started: float,
+    ) -> int | None:
         """Return the fence if a valid majority granted the lock, else None (after undoing)."""
         granted, pttl, owner = self._tally(replies, errors, started)
         if len(granted) >= self.quorum and self._valid(attempt_started):
@@ -212,8 +232,9 @@ class QuorumMutex(Mutex):
         while True:
             attempt_started = time.monotonic()
             try:
-                replies, errors = await self._aeach(scripts.ACQUIRE, self._script_keys,
-                                                    self._acquire_args(token, False))
+                replies, errors = await self._aeach(
+                    scripts.ACQUIRE, self._script_keys, self._acquire_args(token, False)
+                )
             except BaseException:
                 await asyncio.shield(self._aeach(scripts.RELEASE, self._script_keys, [token]))
                 raise
@@ -235,8 +256,9 @@ class QuorumMutex(Mutex):
 
     # -- release and extend -----------------------------------------------------
 
-    def _released(self, hold: Hold, replies: dict[str, Any],
-                  errors: dict[str, BaseException]) -> None:
+    def _released(
+        self, hold: Hold, replies: dict[str, Any], errors: dict[str, BaseException]
+    ) -> None:
         released = sum(1 for reply in replies.values() if reply)
         if released < self.quorum and released + len(errors) >= self.quorum:
             # Cannot tell whether a majority still had it; the leases end by themselves.
@@ -260,8 +282,9 @@ class QuorumMutex(Mutex):
         replies, errors = await self._aeach(scripts.RELEASE, self._script_keys, [hold.token])
         self._released(hold, replies, errors)
 
-    def _after_extend(self, hold: Hold, ttl: float, replies: dict[str, Any],
-                      errors: dict[str, BaseException]) -> None:
+    def _after_extend(
+        self, hold: Hold, ttl: float, replies: dict[str, Any], errors: dict[str, BaseException]
+    ) -> None:
         extended = sum(1 for reply in replies.values() if reply)
         if extended < self.quorum and extended + len(errors) >= self.quorum:
             raise self._unavailable(errors, "extend")
@@ -311,8 +334,10 @@ class QuorumMutex(Mutex):
         """Return the seconds until fewer than a majority of masters still hold our lease."""
         if self._hold is None:
             return 0.0
-        mine = sorted((pttl for token, pttl, _ in self._states()
-                       if token == self._hold.token and pttl > 0), reverse=True)
+        mine = sorted(
+            (pttl for token, pttl, _ in self._states() if token == self._hold.token and pttl > 0),
+            reverse=True,
+        )
         return mine[self.quorum - 1] / 1000 if len(mine) >= self.quorum else 0.0
 
     def owned(self) -> bool:

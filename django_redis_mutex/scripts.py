@@ -10,9 +10,10 @@ hash tag (see :mod:`django_redis_mutex.keys`)::
     KEYS[5]  waiting   hash: waiting token -> "<ttl ms>|<owner JSON>"
 
 A waiter is woken by a push onto its own list ``<lock key>:wake:<token>``
-(same hash tag, so same slot; the scripts derive its name from KEYS[1]). The lock is handed over *inside* the release script
-to the first live waiter, so a releasing process cannot barge back in ahead of
-the queue and a woken waiter never has to race for the lock.
+(same hash tag, so same slot; the scripts derive its name from KEYS[1]). The
+lock is handed over *inside* the release script to the first live waiter, so a
+releasing process cannot barge back in ahead of the queue and a woken waiter
+never has to race for the lock.
 
 Scripts are loaded once per server: callers send EVALSHA and fall back to
 SCRIPT LOAD only when the server answers NOSCRIPT (see :func:`run`).
@@ -32,10 +33,10 @@ __all__ = [
     "EXTEND",
     "FENCE_RETENTION",
     "HANDOFF_LEASE",
+    "RAISE_FENCE",
     "RELEASE",
     "RESET",
     "WAIT_LEASE",
-    "RAISE_FENCE",
     "LuaScript",
     "arun",
     "run",
@@ -55,11 +56,13 @@ FENCE_RETENTION = 24 * 3600.0
 
 # Helpers shared by the scripts that can hand the lock to a waiter.
 _COMMON = (
-    f"local WAIT_LEASE = {int(WAIT_LEASE * 1000)}\n"
-    f"local FENCE_RETENTION = {int(FENCE_RETENTION * 1000)}\n"
-    f"local HANDOFF_LEASE = {int(HANDOFF_LEASE * 1000)}\n"
-    "local WAKE_PREFIX = KEYS[1] .. ':wake:'\n"
-) + r"""
+    (
+        f"local WAIT_LEASE = {int(WAIT_LEASE * 1000)}\n"
+        f"local FENCE_RETENTION = {int(FENCE_RETENTION * 1000)}\n"
+        f"local HANDOFF_LEASE = {int(HANDOFF_LEASE * 1000)}\n"
+        "local WAKE_PREFIX = KEYS[1] .. ':wake:'\n"
+    )
+    + r"""
 local function now_us()
   local t = redis.call('TIME')
   return tonumber(t[1]) * 1000000 + tonumber(t[2])
@@ -118,6 +121,7 @@ local function hand_off(name, now)
   return head
 end
 """
+)
 
 
 @dataclass(frozen=True)

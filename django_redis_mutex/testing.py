@@ -17,12 +17,13 @@ import tempfile
 import time
 from pathlib import Path
 from types import TracebackType
+from typing import Any
 
 __all__ = ["RedisClusterServers", "RedisServer", "find_redis_server", "free_port"]
 
 
 def find_redis_server() -> str:
-    """Return the path of a redis-server binary, or raise FileNotFoundError saying how to get one."""
+    """Return the path of a redis-server binary, or raise FileNotFoundError saying how."""
     explicit = os.environ.get("REDIS_SERVER_BIN")
     if explicit:
         return explicit
@@ -78,14 +79,26 @@ class RedisServer:
     (same port) let fault tests take the server away under a running client.
     """
 
-    def __init__(self, port: int | None = None, *, binary: str | None = None,
-                 extra_args: list[str] | None = None, cluster: bool = False) -> None:
+    def __init__(
+        self,
+        port: int | None = None,
+        *,
+        binary: str | None = None,
+        extra_args: list[str] | None = None,
+        cluster: bool = False,
+    ) -> None:
         self.binary = binary or find_redis_server()
         self.port = port or free_port(cluster=cluster)
         self.extra_args = list(extra_args or [])
         if cluster:
-            self.extra_args += ["--cluster-enabled", "yes", "--cluster-config-file",
-                                "nodes.conf", "--cluster-node-timeout", "2000"]
+            self.extra_args += [
+                "--cluster-enabled",
+                "yes",
+                "--cluster-config-file",
+                "nodes.conf",
+                "--cluster-node-timeout",
+                "2000",
+            ]
         self.process: subprocess.Popen[bytes] | None = None
         self._dir = tempfile.mkdtemp(prefix="django-redis-mutex-redis-")
 
@@ -110,10 +123,24 @@ class RedisServer:
         if self.process is not None and self.process.poll() is None:
             return self
         args = [
-            self.binary, "--port", str(self.port), "--bind", "127.0.0.1",
-            "--save", "", "--appendonly", "no", "--dir", self._dir,
-            "--daemonize", "no", "--protected-mode", "no",
-            "--logfile", self.logfile, *self.extra_args,
+            self.binary,
+            "--port",
+            str(self.port),
+            "--bind",
+            "127.0.0.1",
+            "--save",
+            "",
+            "--appendonly",
+            "no",
+            "--dir",
+            self._dir,
+            "--daemonize",
+            "no",
+            "--protected-mode",
+            "no",
+            "--logfile",
+            self.logfile,
+            *self.extra_args,
         ]
         self.process = subprocess.Popen(
             args, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT, start_new_session=True
@@ -173,8 +200,12 @@ class RedisServer:
     def __enter__(self) -> RedisServer:
         return self.start()
 
-    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
-                 tb: TracebackType | None) -> None:
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
         self.close()
 
 
@@ -198,7 +229,7 @@ class RedisClusterServers:
 
         for node in self.nodes:
             node.start()
-        clients = [redis.Redis(port=node.port) for node in self.nodes]
+        clients: list[Any] = [redis.Redis(port=node.port) for node in self.nodes]
         try:
             share = 16384 // len(clients)
             for index, client in enumerate(clients):
@@ -226,6 +257,10 @@ class RedisClusterServers:
     def __enter__(self) -> RedisClusterServers:
         return self.start()
 
-    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
-                 tb: TracebackType | None) -> None:
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
         self.close()

@@ -52,21 +52,29 @@ def _chosen_alias(request: HttpRequest, aliases: list[str]) -> str:
     using = request.GET.get("using") or request.POST.get("using")
     if not using:
         if not aliases:
-            raise _AliasError(_("No cache in settings.CACHES is a Redis cache, so no lock can "
-                                "be held. Set a cache BACKEND to 'django_redis.cache.RedisCache'."))
+            raise _AliasError(
+                _(
+                    "No cache in settings.CACHES is a Redis cache, so no lock can "
+                    "be held. Set a cache BACKEND to 'django_redis.cache.RedisCache'."
+                )
+            )
         return "default" if "default" in aliases else aliases[0]
     if using not in aliases:
         raise _AliasError(
-            _("Cache alias “%(alias)s” does not carry locks: it is not a Redis cache in "
-              "settings.CACHES. Choose one of: %(choices)s.")
+            _(
+                "Cache alias “%(alias)s” does not carry locks: it is not a Redis cache in "
+                "settings.CACHES. Choose one of: %(choices)s."
+            )
             % {"alias": using, "choices": ", ".join(aliases) or _("none")}
         )
     return using
 
 
 def _unavailable(using: str, exc: Exception) -> str:
-    return _("Redis of cache “%(alias)s” could not be read, so the locks cannot be listed or "
-             "released right now: %(error)s") % {"alias": using, "error": exc}
+    return _(
+        "Redis of cache “%(alias)s” could not be read, so the locks cannot be listed or "
+        "released right now: %(error)s"
+    ) % {"alias": using, "error": exc}
 
 
 def _duration(seconds: float) -> str:
@@ -91,8 +99,10 @@ def _urls(model_admin: LockAdmin) -> tuple[str, str]:
     opts = model_admin.opts
     site = model_admin.admin_site.name
     base = f"admin:{opts.app_label}_{opts.model_name}"
-    return (reverse(f"{base}_changelist", current_app=site),
-            reverse(f"{base}_release", current_app=site))
+    return (
+        reverse(f"{base}_changelist", current_app=site),
+        reverse(f"{base}_release", current_app=site),
+    )
 
 
 def _row(held: HeldLock, release_url: str, using: str) -> dict[str, Any]:
@@ -122,8 +132,9 @@ def _base_context(request: HttpRequest, model_admin: LockAdmin, title: str) -> d
     }
 
 
-def lock_list(request: HttpRequest, model_admin: LockAdmin,
-              extra_context: dict[str, Any] | None = None) -> HttpResponse:
+def lock_list(
+    request: HttpRequest, model_admin: LockAdmin, extra_context: dict[str, Any] | None = None
+) -> HttpResponse:
     """Show the locks held right now in one cache alias, searchable by name."""
     if not model_admin.has_view_permission(request):
         raise PermissionDenied
@@ -132,17 +143,19 @@ def lock_list(request: HttpRequest, model_admin: LockAdmin,
     paused = request.GET.get("refresh") == "0"
     aliases = lock_aliases()
     context = _base_context(request, model_admin, _("Locks"))
-    context.update({
-        "aliases": aliases,
-        "query": query,
-        "paused": paused,
-        "refresh_seconds": 0 if paused else REFRESH_SECONDS,
-        "can_release": model_admin.has_release_permission(request),
-        "release_url": release_url,
-        "locks": [],
-        "total": 0,
-        "error": None,
-    })
+    context.update(
+        {
+            "aliases": aliases,
+            "query": query,
+            "paused": paused,
+            "refresh_seconds": 0 if paused else REFRESH_SECONDS,
+            "can_release": model_admin.has_release_permission(request),
+            "release_url": release_url,
+            "locks": [],
+            "total": 0,
+            "error": None,
+        }
+    )
     status = 200
     try:
         using = _chosen_alias(request, aliases)
@@ -171,8 +184,7 @@ def lock_list(request: HttpRequest, model_admin: LockAdmin,
             context["total"] = len(found)
     context.update(extra_context or {})
     request.current_app = model_admin.admin_site.name
-    return TemplateResponse(request, "django_redis_mutex/admin/locks.html", context,
-                            status=status)
+    return TemplateResponse(request, "django_redis_mutex/admin/locks.html", context, status=status)
 
 
 def _requested_names(values: Iterable[str]) -> list[str]:
@@ -193,13 +205,18 @@ def _describe(held: HeldLock | None) -> str:
         return _("owner unknown: it was not held when the page was read")
     owner = ", ".join(f"{k}={v}" for k, v in held.owner.items() if v not in (None, ""))
     return _("fence %(fence)d, owner %(owner)s") % {
-        "fence": held.fence, "owner": owner or _("unknown")}
+        "fence": held.fence,
+        "owner": owner or _("unknown"),
+    }
 
 
 def _log_release(request: HttpRequest, name: str, using: str, held: HeldLock | None) -> None:
     """Record one force-release in the admin history of the Lock model."""
     message = _("Force-released lock “%(name)s” in cache “%(alias)s” (%(details)s).") % {
-        "name": name, "alias": using, "details": _describe(held)}
+        "name": name,
+        "alias": using,
+        "details": _describe(held),
+    }
     lock = Lock(name=name)
     user_id = request.user.pk
     if hasattr(LogEntry.objects, "log_actions"):  # Django 5.1+
@@ -208,7 +225,10 @@ def _log_release(request: HttpRequest, name: str, using: str, held: HeldLock | N
         LogEntry.objects.log_action(
             user_id=user_id,
             content_type_id=ContentType.objects.get_for_model(Lock).pk,
-            object_id=name, object_repr=name, action_flag=DELETION, change_message=message,
+            object_id=name,
+            object_repr=name,
+            action_flag=DELETION,
+            change_message=message,
         )
 
 
@@ -216,8 +236,9 @@ def release_locks(request: HttpRequest, model_admin: LockAdmin) -> HttpResponse:
     """Confirm (GET) and perform (POST) the force-release of the named locks."""
     if request.method not in ("GET", "HEAD", "POST"):
         return HttpResponseNotAllowed(["GET", "HEAD", "POST"])
-    if not (model_admin.has_view_permission(request)
-            and model_admin.has_release_permission(request)):
+    if not (
+        model_admin.has_view_permission(request) and model_admin.has_release_permission(request)
+    ):
         raise PermissionDenied
     changelist_url, release_url = _urls(model_admin)
     data = request.POST if request.method == "POST" else request.GET
@@ -228,8 +249,9 @@ def release_locks(request: HttpRequest, model_admin: LockAdmin) -> HttpResponse:
         context = _base_context(request, model_admin, _("Release locks"))
         context.update(error=str(exc), locks=[])
         request.current_app = model_admin.admin_site.name
-        return TemplateResponse(request, "django_redis_mutex/admin/release.html", context,
-                                status=404)
+        return TemplateResponse(
+            request, "django_redis_mutex/admin/release.html", context, status=404
+        )
     back = _url(changelist_url, using=using, q=query)
     names = _requested_names(data.getlist("name"))
     if not names:
@@ -251,21 +273,24 @@ def release_locks(request: HttpRequest, model_admin: LockAdmin) -> HttpResponse:
         messages.warning(request, _("None of the selected locks is held any more."))
         return HttpResponseRedirect(back)
     context = _base_context(request, model_admin, _("Release locks"))
-    context.update({
-        "error": None,
-        "using": using,
-        "query": query,
-        "back_url": back,
-        "release_url": release_url,
-        "locks": [_row(held[n], release_url, using) for n in names if n in held],
-        "gone": [n for n in names if n not in held],
-    })
+    context.update(
+        {
+            "error": None,
+            "using": using,
+            "query": query,
+            "back_url": back,
+            "release_url": release_url,
+            "locks": [_row(held[n], release_url, using) for n in names if n in held],
+            "gone": [n for n in names if n not in held],
+        }
+    )
     request.current_app = model_admin.admin_site.name
     return TemplateResponse(request, "django_redis_mutex/admin/release.html", context)
 
 
-def _perform_release(request: HttpRequest, names: list[str], using: str,
-                     held: dict[str, HeldLock], back: str) -> HttpResponse:
+def _perform_release(
+    request: HttpRequest, names: list[str], using: str, held: dict[str, HeldLock], back: str
+) -> HttpResponse:
     released = 0
     try:
         for name in names:
@@ -277,12 +302,23 @@ def _perform_release(request: HttpRequest, names: list[str], using: str,
     else:
         not_held = len(names) - released
         if not_held:
-            messages.warning(request, ngettext(
-                "%(count)d lock was no longer held.", "%(count)d locks were no longer held.",
-                not_held,
-            ) % {"count": not_held})
+            messages.warning(
+                request,
+                ngettext(
+                    "%(count)d lock was no longer held.",
+                    "%(count)d locks were no longer held.",
+                    not_held,
+                )
+                % {"count": not_held},
+            )
     if released:
-        messages.success(request, ngettext(
-            "Released %(count)d lock.", "Released %(count)d locks.", released,
-        ) % {"count": released})
+        messages.success(
+            request,
+            ngettext(
+                "Released %(count)d lock.",
+                "Released %(count)d locks.",
+                released,
+            )
+            % {"count": released},
+        )
     return HttpResponseRedirect(back)

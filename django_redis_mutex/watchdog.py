@@ -47,7 +47,9 @@ class Watchdog:
 
     def watch(self, hold: Hold, first_renewal: float | None = None) -> None:
         """Start renewing ``hold`` every ttl/3 (the first time after ``first_renewal`` s)."""
-        hold.renew_at = time.monotonic() + (hold.ttl / 3 if first_renewal is None else first_renewal)
+        hold.renew_at = time.monotonic() + (
+            hold.ttl / 3 if first_renewal is None else first_renewal
+        )
         with self._cond:
             self._holds[id(hold)] = hold
             if self._thread is None or not self._thread.is_alive():
@@ -91,7 +93,9 @@ class Watchdog:
                 self.unwatch(hold)
                 logger.warning(
                     "Stopped renewing lock %r after MAX_HOLD (%ss); it expires in at most %ss.",
-                    hold.name, hold.max_hold, hold.ttl,
+                    hold.name,
+                    hold.max_hold,
+                    hold.ttl,
                 )
                 continue
             for alias, lock_key in hold.targets:
@@ -161,7 +165,9 @@ class Watchdog:
         held = time.monotonic() - hold.acquired_at
         logger.error(
             "Lock %r (fence %s) was lost after %.3fs: it expired, was reset, or was taken.",
-            hold.name, hold.fence, held,
+            hold.name,
+            hold.fence,
+            held,
         )
         signals.lock_lost.send(sender=hold.alias, name=hold.name, fence=hold.fence, held=held)
 

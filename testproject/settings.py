@@ -66,9 +66,7 @@ TEMPLATES = [
     }
 ]
 
-DATABASES = {
-    "default": {"ENGINE": "django.db.backends.sqlite3", "NAME": DATA_DIR / "demo.sqlite3"}
-}
+DATABASES = {"default": {"ENGINE": "django.db.backends.sqlite3", "NAME": DATA_DIR / "demo.sqlite3"}}
 
 USE_TZ = True
 STATIC_URL = "static/"

@@ -81,15 +81,20 @@ def run_worker(script: str, *args: str, timeout: float = 120) -> subprocess.Pope
     env = dict(os.environ, DJANGO_SETTINGS_MODULE="tests.settings", PYTHONPATH=str(ROOT))
     return subprocess.Popen(
         [sys.executable, str(ROOT / "tests" / "workers" / script), *args],
-        env=env, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        env=env,
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
     )
 
 
 USING_DJANGO_BACKEND = os.environ.get("DJANGO_REDIS_MUTEX_TEST_BACKEND") == "django"
 
 
-def cache_options(*, socket_timeout: float | None = None,
-                  decode_responses: bool | None = None) -> dict[str, object]:
+def cache_options(
+    *, socket_timeout: float | None = None, decode_responses: bool | None = None
+) -> dict[str, object]:
     """Return OPTIONS for the backend under test (django-redis and Django spell them apart)."""
     options: dict[str, object] = {}
     if USING_DJANGO_BACKEND:

@@ -124,8 +124,9 @@ class History:
         by_name: dict[str, list[Section]] = defaultdict(list)
         for section in self.sections:
             if section.exit < section.enter:
-                found.append(f"lock {section.name!r}: section {section.describe()} "
-                             "left before it entered")
+                found.append(
+                    f"lock {section.name!r}: section {section.describe()} left before it entered"
+                )
             by_name[section.name].append(section)
         for name in sorted(by_name):
             in_order = sorted(by_name[name], key=lambda s: s.enter)
@@ -222,14 +223,37 @@ class Recorder:
 
     def event(self, event: str, **data: Any) -> None:
         """Report anything else (a failure, a timeout) in the same stream and order."""
-        self._write({"event": event, "pid": os.getpid(), "t": time.time(),
-                     "thread": threading.current_thread().name, **data})
+        self._write(
+            {
+                "event": event,
+                "pid": os.getpid(),
+                "t": time.time(),
+                "thread": threading.current_thread().name,
+                **data,
+            }
+        )
 
-    def section(self, name: str, fence: int, enter: float, exit: float, *,
-                lost: bool = False, wait: float = 0.0) -> Section:
+    def section(
+        self,
+        name: str,
+        fence: int,
+        enter: float,
+        exit: float,
+        *,
+        lost: bool = False,
+        wait: float = 0.0,
+    ) -> Section:
         """Build and report a section of this process and thread; return it."""
-        section = Section(name=name, fence=fence, enter=enter, exit=exit, pid=os.getpid(),
-                          thread=threading.current_thread().name, lost=lost, wait=wait)
+        section = Section(
+            name=name,
+            fence=fence,
+            enter=enter,
+            exit=exit,
+            pid=os.getpid(),
+            thread=threading.current_thread().name,
+            lost=lost,
+            wait=wait,
+        )
         self.record(section)
         return section
 

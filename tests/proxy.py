@@ -121,8 +121,12 @@ class Proxy:
     def __enter__(self) -> Proxy:
         return self.start()
 
-    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
-                 tb: TracebackType | None) -> None:
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
         self.close()
 
     def _accept(self) -> None:
@@ -148,8 +152,10 @@ class Proxy:
                 self.accepted += 1
             for source, target, direction in ((client, upstream, "up"), (upstream, client, "down")):
                 threading.Thread(
-                    target=self._pump, args=(link, source, target),
-                    name=f"proxy-{direction}-{self.accepted}", daemon=True,
+                    target=self._pump,
+                    args=(link, source, target),
+                    name=f"proxy-{direction}-{self.accepted}",
+                    daemon=True,
                 ).start()
 
     def _pump(self, link: _Link, source: socket.socket, target: socket.socket) -> None:

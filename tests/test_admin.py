@@ -32,9 +32,13 @@ RELEASE_URL = LIST_URL + "release/"
 def _login(django_user_model, *codenames: str, csrf: bool = False) -> Client:
     """Return a client logged in as a staff user holding the given Lock permissions."""
     user = django_user_model.objects.create_user(
-        username="staff-" + "-".join(codenames), is_staff=True)  # no password: no slow hashing
-    user.user_permissions.set(Permission.objects.filter(
-        content_type__app_label="django_redis_mutex", codename__in=codenames))
+        username="staff-" + "-".join(codenames), is_staff=True
+    )  # no password: no slow hashing
+    user.user_permissions.set(
+        Permission.objects.filter(
+            content_type__app_label="django_redis_mutex", codename__in=codenames
+        )
+    )
     client = Client(enforce_csrf_checks=csrf)
     client.force_login(user)
     return client
@@ -145,8 +149,14 @@ with mutex(sys.argv[1], label="worker process"):
 def held_by_subprocess() -> Iterator[tuple[str, int]]:
     """Hold lock "imports" in a real OS process until the test ends."""
     env = dict(os.environ, DJANGO_SETTINGS_MODULE="tests.settings", PYTHONPATH=str(ROOT))
-    proc = subprocess.Popen([sys.executable, "-c", HOLDER, "imports"], env=env, cwd=ROOT,
-                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        [sys.executable, "-c", HOLDER, "imports"],
+        env=env,
+        cwd=ROOT,
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
     assert proc.stdout is not None and proc.stdin is not None
     ready, _, _ = select.select([proc.stdout], [], [], 60)
     assert ready and proc.stdout.readline().strip() == "held"
@@ -185,8 +195,10 @@ def test_page_refreshes_itself_unless_paused(viewer):
 def second_alias(mutex_prefix: str) -> Iterator[str]:
     """Add cache alias "locks" on the same server with its own lock namespace, and a LocMem one."""
     caches = copy.deepcopy(settings.CACHES)
-    caches["locks"] = {**copy.deepcopy(caches["default"]),
-                       "MUTEX": {"PREFIX": mutex_prefix + "-second"}}
+    caches["locks"] = {
+        **copy.deepcopy(caches["default"]),
+        "MUTEX": {"PREFIX": mutex_prefix + "-second"},
+    }
     caches["local"] = {"BACKEND": "django.core.cache.backends.locmem.LocMemCache"}
     with override_settings(CACHES=caches):
         yield "locks"
@@ -327,8 +339,11 @@ def test_release_of_selection_frees_each_and_reports_count(releaser, hold):
     names = {"name": ["a", "c"]}
     page = releaser.get(RELEASE_URL, names)
     assert [row["name"] for row in page.context["locks"]] == ["a", "c"]
-    response = releaser.post(RELEASE_URL, {**names, "csrfmiddlewaretoken": _csrf_token(
-        page.content.decode())}, follow=True)
+    response = releaser.post(
+        RELEASE_URL,
+        {**names, "csrfmiddlewaretoken": _csrf_token(page.content.decode())},
+        follow=True,
+    )
     assert [str(m) for m in response.context["messages"]] == ["Released 2 locks."]
     assert list(_rows(response)) == ["b"]
     assert LogEntry.objects.count() == 2
@@ -338,7 +353,10 @@ def test_release_of_lock_no_longer_held_says_so(releaser, hold):
     lock = hold("batch")
     page = releaser.get(RELEASE_URL, {"name": "batch"})
     lock.release()
-    response = releaser.post(RELEASE_URL, {"name": "batch", "csrfmiddlewaretoken": _csrf_token(
-        page.content.decode())}, follow=True)
+    response = releaser.post(
+        RELEASE_URL,
+        {"name": "batch", "csrfmiddlewaretoken": _csrf_token(page.content.decode())},
+        follow=True,
+    )
     assert [str(m) for m in response.context["messages"]] == ["1 lock was no longer held."]
     assert not LogEntry.objects.exists()

@@ -10,9 +10,9 @@ in its own thread.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator
 from contextlib import contextmanager
-import os
 from pathlib import Path
 from typing import Any
 
@@ -27,8 +27,12 @@ pytestmark = pytest.mark.browser
 
 CHROMIUM = Path("/usr/bin/chromium")
 CHROMIUM_ARGS = [
-    "--no-sandbox", "--disable-gpu", "--disable-background-networking",
-    "--disable-component-update", "--disable-sync", "--no-first-run",
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+    "--no-first-run",
 ]
 LIST_URL = "/admin/django_redis_mutex/lock/"
 # README's picture; rewritten only when asked, so a test run leaves the tree clean.
@@ -40,8 +44,10 @@ PASSWORD = "browser-test"
 def playwright_api() -> Any:
     """Return playwright.sync_api, or skip when no chromium can be had here."""
     if not CHROMIUM.exists():
-        pytest.skip(f"No chromium at {CHROMIUM}: install Debian's (apt-get install -y chromium); "
-                    ".ci/run does so on a fresh machine.")
+        pytest.skip(
+            f"No chromium at {CHROMIUM}: install Debian's (apt-get install -y chromium); "
+            ".ci/run does so on a fresh machine."
+        )
     return pytest.importorskip("playwright.sync_api")
 
 
@@ -70,15 +76,18 @@ def hold() -> Iterator[Any]:
 
 
 @contextmanager
-def logged_in_page(api: Any, base_url: str, username: str, *,
-                   javascript: bool = True) -> Iterator[Any]:
+def logged_in_page(
+    api: Any, base_url: str, username: str, *, javascript: bool = True
+) -> Iterator[Any]:
     """Open headless chromium, log in to the admin and yield a page on the Locks list."""
     with api.sync_playwright() as pw:
-        browser = pw.chromium.launch(executable_path=str(CHROMIUM), headless=True,
-                                     args=CHROMIUM_ARGS)
+        browser = pw.chromium.launch(
+            executable_path=str(CHROMIUM), headless=True, args=CHROMIUM_ARGS
+        )
         try:
-            context = browser.new_context(viewport={"width": 1400, "height": 640},
-                                          java_script_enabled=javascript)
+            context = browser.new_context(
+                viewport={"width": 1400, "height": 640}, java_script_enabled=javascript
+            )
             page = context.new_page()
             page.goto(f"{base_url}/admin/login/?next={LIST_URL}")
             page.fill("#id_username", username)
@@ -90,19 +99,22 @@ def logged_in_page(api: Any, base_url: str, username: str, *,
             browser.close()
 
 
-def test_superuser_releases_selected_lock_in_browser(tmp_path, playwright_api, live_server, admin_user,
-                                                     hold):
+def test_superuser_releases_selected_lock_in_browser(
+    tmp_path, playwright_api, live_server, admin_user, hold
+):
     expect = playwright_api.expect
     hold("exports:nightly", "nightly export")
     kept = hold("billing:invoices", "monthly invoicing")
-    screenshot = (README_SCREENSHOT if os.environ.get("UPDATE_SCREENSHOTS")
-                  else tmp_path / "admin-locks.png")
+    screenshot = (
+        README_SCREENSHOT if os.environ.get("UPDATE_SCREENSHOTS") else tmp_path / "admin-locks.png"
+    )
 
     with logged_in_page(playwright_api, live_server.url, admin_user) as page:
         stale = page.locator('tr[data-lock="exports:nightly"]')
         expect(stale).to_contain_text("nightly export")
         expect(page.locator('tr[data-lock="billing:invoices"]')).to_contain_text(
-            "monthly invoicing")
+            "monthly invoicing"
+        )
         expect(page.locator("#select-all-locks")).to_be_visible()  # locks.js was served
         page.screenshot(path=str(screenshot))
 

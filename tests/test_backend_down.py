@@ -38,8 +38,9 @@ from .conftest import cache_options
 PROMPT = 2.0
 
 
-def caches_for(location: str, options: dict[str, Any] | None = None,
-               **mutex_options: Any) -> dict[str, Any]:
+def caches_for(
+    location: str, options: dict[str, Any] | None = None, **mutex_options: Any
+) -> dict[str, Any]:
     """Return settings.CACHES with the default alias moved to ``location``."""
     entries = copy.deepcopy(settings.CACHES)
     default = entries["default"]
@@ -52,14 +53,16 @@ def caches_for(location: str, options: dict[str, Any] | None = None,
 @contextmanager
 def unreachable(**mutex_options: Any) -> Iterator[None]:
     """Point the default cache at a loopback port nothing listens on."""
-    with override_settings(CACHES=caches_for(f"redis://127.0.0.1:{free_port()}/0",
-                                             **mutex_options)):
+    with override_settings(
+        CACHES=caches_for(f"redis://127.0.0.1:{free_port()}/0", **mutex_options)
+    ):
         yield
 
 
 @contextmanager
-def dedicated(*extra_args: str, options: dict[str, Any] | None = None,
-              **mutex_options: Any) -> Iterator[RedisServer]:
+def dedicated(
+    *extra_args: str, options: dict[str, Any] | None = None, **mutex_options: Any
+) -> Iterator[RedisServer]:
     """Point the default cache at a private redis-server this test may kill or stop."""
     with RedisServer(extra_args=list(extra_args)) as server:
         try:
@@ -193,6 +196,7 @@ def test_fail_open_still_raises_body_exception():
 
 def test_exit_raises_backend_unavailable_when_redis_died_during_successful_body():
     with dedicated() as server:
+
         def run() -> None:
             with mutex("inventory", watchdog=False):
                 server.kill()
@@ -211,8 +215,7 @@ def test_fail_open_exit_logs_instead_of_raising_when_redis_died(caplog):
     ):
         server.kill()
     assert lock.token is not None  # kept for a retry; the lease ends by itself
-    assert any("inventory" in r.getMessage() for r in caplog.records
-               if r.levelno == logging.ERROR)
+    assert any("inventory" in r.getMessage() for r in caplog.records if r.levelno == logging.ERROR)
 
 
 def test_waiter_fails_promptly_when_redis_dies_during_its_wait():

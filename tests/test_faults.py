@@ -49,14 +49,15 @@ SLACK = 0.5
 
 
 class BrokenExclusion(AssertionError):
-    """Two owners held one lock (what the regression tests of the failed-release fix guard against)."""
+    """Two owners held one lock (what the failed-release regression tests guard against)."""
 
 
 # -- the checker on hand-made histories ---------------------------------------------------
 
 
-def section(fence: int, enter: float, exit: float, *, lost: bool = False, pid: int = 1,
-            name: str = "x") -> Section:
+def section(
+    fence: int, enter: float, exit: float, *, lost: bool = False, pid: int = 1, name: str = "x"
+) -> Section:
     return Section(name=name, fence=fence, enter=enter, exit=exit, pid=pid, lost=lost)
 
 
@@ -129,12 +130,25 @@ def test_checker_allows_increments_lost_only_by_sections_told_they_lost() -> Non
 
 
 def test_history_loads_sections_from_worker_output_and_skips_other_events() -> None:
-    output = "\n".join([
-        json.dumps({"event": "ready", "pid": 9, "t": 1.0}),
-        json.dumps({"event": "section", "name": "x", "fence": 4, "enter": 1.0, "exit": 2.0,
-                    "pid": 9, "thread": "contender-0", "lost": False, "wait": 0.1}),
-        json.dumps({"event": "done", "pid": 9, "t": 3.0}),
-    ])
+    output = "\n".join(
+        [
+            json.dumps({"event": "ready", "pid": 9, "t": 1.0}),
+            json.dumps(
+                {
+                    "event": "section",
+                    "name": "x",
+                    "fence": 4,
+                    "enter": 1.0,
+                    "exit": 2.0,
+                    "pid": 9,
+                    "thread": "contender-0",
+                    "lost": False,
+                    "wait": 0.1,
+                }
+            ),
+            json.dumps({"event": "done", "pid": 9, "t": 3.0}),
+        ]
+    )
     history = History()
 
     assert history.load_from_worker_output(output) == 1
@@ -203,8 +217,11 @@ def test_proxy_cut_fails_a_blocked_command_at_once(proxy: Proxy, raw: redis.Redi
     blocker = threading.Thread(target=block)
     try:
         blocker.start()
-        poll_until(lambda: any(c["cmd"] == "blpop" for c in raw.client_list()), 5,
-                   "the BLPOP reaching Redis")
+        poll_until(
+            lambda: any(c["cmd"] == "blpop" for c in raw.client_list()),
+            5,
+            "the BLPOP reaching Redis",
+        )
         assert proxy.cut() == 1
         blocker.join(5)
     finally:
@@ -262,8 +279,10 @@ class WorkerRun:
     def describe(self) -> str:
         stderr = "".join(self._stderr[-30:]).strip()
         last = self.events[-5:]
-        return (f"worker {self.script} (pid {self.pid}, exit {self.process.poll()}); "
-                f"last events {last}; stderr tail:\n{stderr or '(empty)'}")
+        return (
+            f"worker {self.script} (pid {self.pid}, exit {self.process.poll()}); "
+            f"last events {last}; stderr tail:\n{stderr or '(empty)'}"
+        )
 
     def of(self, kind: str) -> list[dict[str, Any]]:
         """Return the reports of one kind received so far."""
@@ -280,14 +299,16 @@ class WorkerRun:
                     raise AssertionError(f"{bad[0]} from {self.describe()}")
                 remaining = deadline - time.monotonic()
                 if remaining <= 0 or (self._ended and not condition()):
-                    raise AssertionError(f"{what} did not happen within {timeout}s: "
-                                         f"{self.describe()}")
+                    raise AssertionError(
+                        f"{what} did not happen within {timeout}s: {self.describe()}"
+                    )
                 self._changed.wait(min(remaining, 0.1))
 
     def expect(self, kind: str, timeout: float = STEP_TIMEOUT) -> dict[str, Any]:
         """Return the first report of ``kind``, waiting up to ``timeout`` seconds for it."""
-        self.wait_for(lambda: any(e["event"] == kind for e in self.events), timeout,
-                      f"a {kind!r} report")
+        self.wait_for(
+            lambda: any(e["event"] == kind for e in self.events), timeout, f"a {kind!r} report"
+        )
         return self.of(kind)[0]
 
     def finish(self, timeout: float = STEP_TIMEOUT) -> int:
@@ -359,14 +380,16 @@ def sections_entered_after(workers: list[WorkerRun], moment: float) -> int:
     return sum(1 for w in workers for s in w.of("section") if s["enter"] > moment)
 
 
-def wait_for_sections(workers: list[WorkerRun], after: float, count: int, timeout: float,
-                      what: str) -> None:
+def wait_for_sections(
+    workers: list[WorkerRun], after: float, count: int, timeout: float, what: str
+) -> None:
     """Wait until ``count`` sections were entered after ``after`` across ``workers``."""
     poll_until(lambda: sections_entered_after(workers, after) >= count, timeout, what)
 
 
-def stop_and_collect(raw: redis.Redis, stop: str, workers: list[WorkerRun],
-                     timeout: float) -> History:
+def stop_and_collect(
+    raw: redis.Redis, stop: str, workers: list[WorkerRun], timeout: float
+) -> History:
     """Stop the workers, check each exits cleanly in time, and return their history."""
     raw.rpush(stop, *["stop"] * len(workers))
     history = History()
@@ -390,8 +413,11 @@ def failures(workers: list[WorkerRun]) -> list[dict[str, Any]]:
 def socket_options(seconds: float) -> dict[str, float]:
     """Return the default alias's socket timeout OPTIONS, both set to ``seconds``."""
     builtin = settings.CACHES["default"]["BACKEND"].startswith("django.core.")
-    names = ("socket_timeout", "socket_connect_timeout") if builtin else (
-        "SOCKET_TIMEOUT", "SOCKET_CONNECT_TIMEOUT")
+    names = (
+        ("socket_timeout", "socket_connect_timeout")
+        if builtin
+        else ("SOCKET_TIMEOUT", "SOCKET_CONNECT_TIMEOUT")
+    )
     return dict.fromkeys(names, seconds)
 
 
@@ -415,8 +441,10 @@ def test_waiter_takes_over_promptly_when_a_killed_holders_lease_ends(
     ttl = 1.0
     counter = data_key("counter")
     holder = start("fault_hold.py", "killed", ttl, counter, data_key("holder-gate"))
-    waiter = start("fault_sections.py", *sections_args(
-        "killed", counter, data_key("waiter-gate"), iterations=1, ttl=5, timeout=10))
+    waiter = start(
+        "fault_sections.py",
+        *sections_args("killed", counter, data_key("waiter-gate"), iterations=1, ttl=5, timeout=10),
+    )
     holder.expect("ready", START_TIMEOUT)
     waiter.expect("ready", START_TIMEOUT)
 
@@ -432,8 +460,14 @@ def test_waiter_takes_over_promptly_when_a_killed_holders_lease_ends(
     assert holder.finish() == -signal.SIGKILL
 
     history = History()
-    history.add(name="killed", fence=acquired["fence"], enter=acquired["after"], exit=killed_at,
-                pid=holder.pid, thread="MainThread")
+    history.add(
+        name="killed",
+        fence=acquired["fence"],
+        enter=acquired["after"],
+        exit=killed_at,
+        pid=holder.pid,
+        thread="MainThread",
+    )
     assert history.load_from_worker_output(waiter.events) == 1
     taken = history.sections[1]
     takeover = taken.enter - (acquired["after"] + ttl)
@@ -462,20 +496,41 @@ def test_redis_restart_fails_waiters_promptly_and_no_holders_overlap_after_it(
     with RedisServer() as server:
         locks = redis.Redis.from_url(server.url)
         keys = Mutex("restart").keys
-        workers = [start("fault_sections.py", *sections_args(
-            "restart", counter, barrier, stop=stop, threads=2, hold=0.05, ttl=ttl,
-            timeout=timeout, lock_url=server.url, socket_timeout=socket_timeout,
-            no_reentrant=False)) for _ in range(3)]
+        workers = [
+            start(
+                "fault_sections.py",
+                *sections_args(
+                    "restart",
+                    counter,
+                    barrier,
+                    stop=stop,
+                    threads=2,
+                    hold=0.05,
+                    ttl=ttl,
+                    timeout=timeout,
+                    lock_url=server.url,
+                    socket_timeout=socket_timeout,
+                    no_reentrant=False,
+                ),
+            )
+            for _ in range(3)
+        ]
         start_together(raw, barrier, workers)
         wait_for_sections(workers, 0, 10, STEP_TIMEOUT, "10 sections before the restart")
-        poll_until(lambda: locks.exists(keys.lock) and locks.zcard(keys.queue) >= 2, 10,
-                   "a holder with two waiters")
+        poll_until(
+            lambda: locks.exists(keys.lock) and locks.zcard(keys.queue) >= 2,
+            10,
+            "a holder with two waiters",
+        )
 
         killed_at = time.time()
         server.kill()
         for worker in workers:
-            worker.wait_for(lambda w=worker: any(f["t"] > killed_at for f in w.of("failure")),
-                            STEP_TIMEOUT, "a failure after Redis died")
+            worker.wait_for(
+                lambda w=worker: any(f["t"] > killed_at for f in w.of("failure")),
+                STEP_TIMEOUT,
+                "a failure after Redis died",
+            )
         server.start()
         restarted_at = time.time()
         wait_for_sections(workers, restarted_at, 10, STEP_TIMEOUT, "10 sections after the restart")
@@ -492,8 +547,10 @@ def test_redis_restart_fails_waiters_promptly_and_no_holders_overlap_after_it(
     for f in sorted(problems, key=lambda f: f["t"]):
         if f["t"] > killed_at:
             first_failures.setdefault((f["pid"], f["thread"]), f["t"] - killed_at)
-    print(f"\nfirst failure per thread after Redis died (s): {sorted(first_failures.values())}; "
-          f"{len(history.lost())} sections told they lost the lock at the restart")
+    print(
+        f"\nfirst failure per thread after Redis died (s): {sorted(first_failures.values())}; "
+        f"{len(history.lost())} sections told they lost the lock at the restart"
+    )
     assert max(first_failures.values()) < socket_timeout + SLACK, first_failures
     longest = max(w.expect("done")["max_acquire"] for w in workers)
     assert longest < timeout + 2 * socket_timeout + SLACK, f"an acquire took {longest:.3f}s"
@@ -503,15 +560,32 @@ def test_redis_restart_fails_waiters_promptly_and_no_holders_overlap_after_it(
 
 
 def test_sections_stay_exclusive_and_leases_renew_through_20ms_latency(
-    start: Callable[..., WorkerRun], raw: redis.Redis, data_key: Callable[[str], str],
+    start: Callable[..., WorkerRun],
+    raw: redis.Redis,
+    data_key: Callable[[str], str],
     proxy: Proxy,
 ) -> None:
     ttl, hold = 0.6, 0.7
     counter, barrier = data_key("counter"), data_key("barrier")
     proxy.latency = 0.02
-    workers = [start("fault_sections.py", *sections_args(
-        "slow", counter, barrier, names=2, threads=2, hold=hold, ttl=ttl, timeout=15,
-        duration=4, lock_url=proxy.url)) for _ in range(3)]
+    workers = [
+        start(
+            "fault_sections.py",
+            *sections_args(
+                "slow",
+                counter,
+                barrier,
+                names=2,
+                threads=2,
+                hold=hold,
+                ttl=ttl,
+                timeout=15,
+                duration=4,
+                lock_url=proxy.url,
+            ),
+        )
+        for _ in range(3)
+    ]
     start_together(raw, barrier, workers)
     history = History()
     for worker in workers:
@@ -532,13 +606,35 @@ class StallRun:
 
     socket_timeout, timeout, ttl = 1.0, 5.0, 3.0
 
-    def __init__(self, start: Callable[..., WorkerRun], raw: redis.Redis,
-                 data_key: Callable[[str], str], proxy: Proxy, *, reentrant: bool) -> None:
+    def __init__(
+        self,
+        start: Callable[..., WorkerRun],
+        raw: redis.Redis,
+        data_key: Callable[[str], str],
+        proxy: Proxy,
+        *,
+        reentrant: bool,
+    ) -> None:
         counter, barrier, stop = data_key("counter"), data_key("barrier"), data_key("stop")
-        self.workers = workers = [start("fault_sections.py", *sections_args(
-            "stalled", counter, barrier, stop=stop, threads=2, hold=0.2, ttl=self.ttl,
-            timeout=self.timeout, lock_url=proxy.url, socket_timeout=self.socket_timeout,
-            no_reentrant=not reentrant)) for _ in range(2)]
+        self.workers = workers = [
+            start(
+                "fault_sections.py",
+                *sections_args(
+                    "stalled",
+                    counter,
+                    barrier,
+                    stop=stop,
+                    threads=2,
+                    hold=0.2,
+                    ttl=self.ttl,
+                    timeout=self.timeout,
+                    lock_url=proxy.url,
+                    socket_timeout=self.socket_timeout,
+                    no_reentrant=not reentrant,
+                ),
+            )
+            for _ in range(2)
+        ]
         start_together(raw, barrier, workers)
         wait_for_sections(workers, 0, 5, STEP_TIMEOUT, "5 sections before the stall")
         # Stall while a section runs, so its holder's release is caught in the stall.
@@ -548,26 +644,34 @@ class StallRun:
         proxy.stall()
         try:
             for worker in workers:
-                worker.wait_for(lambda w=worker: len({f["thread"] for f in w.of("failure")}) == 2,
-                                STEP_TIMEOUT, "a failure in each thread during the stall")
+                worker.wait_for(
+                    lambda w=worker: len({f["thread"] for f in w.of("failure")}) == 2,
+                    STEP_TIMEOUT,
+                    "a failure in each thread during the stall",
+                )
         finally:
             proxy.resume()
         self.resumed_at = time.time()
         wait_for_sections(workers, self.resumed_at, 5, STEP_TIMEOUT, "5 sections after the stall")
         self.history = stop_and_collect(
-            raw, stop, workers, self.timeout + 2 * self.socket_timeout + STEP_TIMEOUT)
+            raw, stop, workers, self.timeout + 2 * self.socket_timeout + STEP_TIMEOUT
+        )
         self.counts = counters(raw, counter, self.history)
 
 
 def test_stall_longer_than_socket_timeout_fails_operations_within_two_timeouts(
-    start: Callable[..., WorkerRun], raw: redis.Redis, data_key: Callable[[str], str],
+    start: Callable[..., WorkerRun],
+    raw: redis.Redis,
+    data_key: Callable[[str], str],
     proxy: Proxy,
 ) -> None:
     run = StallRun(start, raw, data_key, proxy, reentrant=False)
 
     during = [f for f in failures(run.workers) if run.stalled_at < f["t"] <= run.resumed_at]
-    print("\nfailures into the stall (s): "
-          f"{sorted((f['op'], round(f['t'] - run.stalled_at, 3)) for f in during)}")
+    print(
+        "\nfailures into the stall (s): "
+        f"{sorted((f['op'], round(f['t'] - run.stalled_at, 3)) for f in during)}"
+    )
     assert {f["error"] for f in during} == {"LockBackendUnavailable"}
     # A release or a first acquire fails after one socket timeout; a queued waiter after two:
     # its BLPOP times out, then so does the CANCEL that takes it out of the queue.
@@ -583,7 +687,9 @@ def test_stall_longer_than_socket_timeout_fails_operations_within_two_timeouts(
 
 
 def test_reentrant_sections_stay_exclusive_through_a_stall(
-    start: Callable[..., WorkerRun], raw: redis.Redis, data_key: Callable[[str], str],
+    start: Callable[..., WorkerRun],
+    raw: redis.Redis,
+    data_key: Callable[[str], str],
     proxy: Proxy,
 ) -> None:
     run = StallRun(start, raw, data_key, proxy, reentrant=True)
@@ -594,14 +700,32 @@ def test_reentrant_sections_stay_exclusive_through_a_stall(
 
 
 def test_cut_connections_fail_operations_cleanly_and_never_make_two_holders(
-    start: Callable[..., WorkerRun], raw: redis.Redis, data_key: Callable[[str], str],
+    start: Callable[..., WorkerRun],
+    raw: redis.Redis,
+    data_key: Callable[[str], str],
     proxy: Proxy,
 ) -> None:
     timeout, ttl, cuts = 5.0, 1.5, 5
     counter, barrier, stop = data_key("counter"), data_key("barrier"), data_key("stop")
-    workers = [start("fault_sections.py", *sections_args(
-        "cut", counter, barrier, stop=stop, threads=2, hold=0.01, ttl=ttl, timeout=timeout,
-        lock_url=proxy.url, socket_timeout=2, no_reentrant=False)) for _ in range(3)]
+    workers = [
+        start(
+            "fault_sections.py",
+            *sections_args(
+                "cut",
+                counter,
+                barrier,
+                stop=stop,
+                threads=2,
+                hold=0.01,
+                ttl=ttl,
+                timeout=timeout,
+                lock_url=proxy.url,
+                socket_timeout=2,
+                no_reentrant=False,
+            ),
+        )
+        for _ in range(3)
+    ]
     start_together(raw, barrier, workers)
     wait_for_sections(workers, 0, 10, STEP_TIMEOUT, "10 sections before the first cut")
 

@@ -202,8 +202,14 @@ def test_every_key_of_one_lock_hashes_to_one_slot(name, raw, mutex_prefix):
         waiter.start()
         assert wait_until(lambda: held_locks()[0].waiters == 1)
         stored = [k for k in raw.scan_iter(match="*") if mutex_prefix.encode() in k]
-        named = [lock.keys.lock, lock.keys.fence, lock.keys.queue, lock.keys.leases,
-                 lock.keys.waiting, lock.keys.wake_prefix + (lock.token or "")]
+        named = [
+            lock.keys.lock,
+            lock.keys.fence,
+            lock.keys.queue,
+            lock.keys.leases,
+            lock.keys.waiting,
+            lock.keys.wake_prefix + (lock.token or ""),
+        ]
     waiter.join(5)
     assert len(stored) == 5  # lock, fence, queue, leases, waiting
     slots = {key_slot(k) for k in stored} | {key_slot(k.encode()) for k in named}

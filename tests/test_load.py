@@ -41,7 +41,7 @@ def load_key(raw: redis.Redis, mutex_prefix: str) -> Iterator[Callable[[str], st
 
 def _batches(items: list[Any], size: int) -> Iterator[list[Any]]:
     for start in range(0, len(items), size):
-        yield items[start:start + size]
+        yield items[start : start + size]
 
 
 def percentile(values: list[float], fraction: float) -> float:
@@ -49,15 +49,34 @@ def percentile(values: list[float], fraction: float) -> float:
     return ordered[min(len(ordered) - 1, int(fraction * len(ordered)))]
 
 
-def run_load(raw: redis.Redis, key: Callable[[str], str], names: int,
-             out_dir: Path) -> tuple[History, dict[str, Any]]:
+def run_load(
+    raw: redis.Redis, key: Callable[[str], str], names: int, out_dir: Path
+) -> tuple[History, dict[str, Any]]:
     """Run PROCESSES processes of THREADS threads on ``names`` locks for DURATION seconds."""
     counter, barrier = key("counter"), key("barrier")
     out_dir.mkdir()
     worker = run_worker(
-        "fault_sections.py", "--name", "load", "--names", str(names), "--counter", counter,
-        "--barrier", barrier, "--threads", str(THREADS), "--duration", str(DURATION),
-        "--timeout", "30", "--buffer", "--processes", str(PROCESSES), "--out-dir", str(out_dir))
+        "fault_sections.py",
+        "--name",
+        "load",
+        "--names",
+        str(names),
+        "--counter",
+        counter,
+        "--barrier",
+        barrier,
+        "--threads",
+        str(THREADS),
+        "--duration",
+        str(DURATION),
+        "--timeout",
+        "30",
+        "--buffer",
+        "--processes",
+        str(PROCESSES),
+        "--out-dir",
+        str(out_dir),
+    )
     try:
         assert worker.stdout is not None
         for _ in range(PROCESSES):
@@ -78,15 +97,21 @@ def run_load(raw: redis.Redis, key: Callable[[str], str], names: int,
     history, totals = History(), []
     for report in sorted(out_dir.glob("*.jsonl")):
         history.load_from_worker_output(report)
-        totals += [json.loads(line) for line in report.read_text().splitlines()
-                   if '"event": "done"' in line]
+        totals += [
+            json.loads(line)
+            for line in report.read_text().splitlines()
+            if '"event": "done"' in line
+        ]
     assert len(totals) == PROCESSES, f"{len(totals)} processes finished: {out} {err}"
     waits = [s.wait for s in history.sections]
     # Past the first second: connections made, scripts loaded, every thread running.
     began = min(s.enter - s.wait for s in history.sections)
     steady = [s.wait for s in history.sections if s.enter - s.wait > began + WARM_UP]
     figures: dict[str, Any] = {
-        "processes": PROCESSES, "threads": THREADS, "locks": names, "seconds": round(elapsed, 2),
+        "processes": PROCESSES,
+        "threads": THREADS,
+        "locks": names,
+        "seconds": round(elapsed, 2),
         "sections": len(history),
         "throughput_per_s": round(len(history) / elapsed, 1),
         "wait_p50_ms": round(statistics.median(waits) * 1000, 2),
@@ -122,7 +147,10 @@ def report(figures: dict[str, Any], case: str, tmp_path: Path) -> str:
 
 @pytest.mark.parametrize("names", [1, 1000], ids=["one-lock", "1000-locks"])
 def test_load_keeps_exclusion_and_leaves_no_key_without_a_lease(
-    names: int, raw: redis.Redis, load_key: Callable[[str], str], mutex_prefix: str,
+    names: int,
+    raw: redis.Redis,
+    load_key: Callable[[str], str],
+    mutex_prefix: str,
     tmp_path: Path,
 ) -> None:
     history, figures = run_load(raw, load_key, names, tmp_path / "reports")

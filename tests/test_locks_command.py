@@ -77,7 +77,17 @@ def test_table_lists_held_lock_with_owner(held: list[Mutex]) -> None:
     out = locks()
     header, row, footer = out.splitlines()
     assert header.split() == [
-        "NAME", "HOST", "PID", "THREAD", "LABEL", "HELD", "FOR", "TTL", "LEFT", "FENCE", "WAITERS"
+        "NAME",
+        "HOST",
+        "PID",
+        "THREAD",
+        "LABEL",
+        "HELD",
+        "FOR",
+        "TTL",
+        "LEFT",
+        "FENCE",
+        "WAITERS",
     ]
     assert row.startswith("inventory ")
     assert "nightly import" in row
@@ -99,8 +109,10 @@ def test_json_is_an_array_of_heldlock_fields(held: list[Mutex]) -> None:
     assert all(set(item) == {f.name for f in fields(HeldLock)} for item in data)
     item = data[1]
     assert item["owner"] == {
-        "host": item["owner"]["host"], "pid": os.getpid(),
-        "thread": threading.current_thread().name, "label": "worker",
+        "host": item["owner"]["host"],
+        "pid": os.getpid(),
+        "thread": threading.current_thread().name,
+        "label": "worker",
     }
     assert item["fence"] == first.fence
     assert data[0]["fence"] == second.fence
@@ -189,7 +201,7 @@ def test_reset_all_noinput_keeps_every_key_that_is_not_a_lock(
         assert [h.name for h in held_locks(using=other_alias)] == ["shared-name"]
     finally:
         for start in range(0, len(unrelated), 1000):
-            raw.delete(*unrelated[start:start + 1000])
+            raw.delete(*unrelated[start : start + 1000])
         default_cache.delete_many(cache_keys)
         other_cache.delete_many(cache_keys)
 
@@ -263,7 +275,11 @@ def test_command_line_error_is_one_line_on_stderr_without_traceback() -> None:
     )
     result = subprocess.run(
         [sys.executable, "-m", "django", "locks", "--reset", "a"],
-        env=env, cwd=ROOT, capture_output=True, text=True, timeout=60,
+        env=env,
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=60,
     )
     assert result.returncode == 1
     assert result.stdout == ""

@@ -160,7 +160,9 @@ def test_watchdog_keeps_a_quorum_lock_past_its_ttl(quorum_caches):
 def test_async_quorum_lock(quorum_caches):
     async def main() -> tuple[int, bool]:
         async with mutex("async-job", using=ALIASES) as lock:
-            other = await Mutex("async-job", using=ALIASES, reentrant=False).aacquire(blocking=False)
+            other = await Mutex("async-job", using=ALIASES, reentrant=False).aacquire(
+                blocking=False
+            )
             return lock.fence, other
 
     fence, other = asyncio.run(main())

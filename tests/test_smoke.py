@@ -3,7 +3,7 @@ import threading
 
 import pytest
 
-from django_redis_mutex import LockContended, Mutex, held_locks, mutex, reset
+from django_redis_mutex import LockNotOwned, Mutex, held_locks, mutex, reset
 
 
 def test_with_block_holds_and_releases(raw, namespace_keys):
@@ -19,8 +19,11 @@ def test_with_block_holds_and_releases(raw, namespace_keys):
 def test_second_owner_is_refused():
     with mutex("inventory"):
         results = []
-        t = threading.Thread(target=lambda: results.append(Mutex("inventory").acquire(blocking=False)))
-        t.start(); t.join()
+        t = threading.Thread(
+            target=lambda: results.append(Mutex("inventory").acquire(blocking=False))
+        )
+        t.start()
+        t.join()
         assert results == [False]
 
 
@@ -55,6 +58,7 @@ def test_async():
                 assert inner.fence == lock.fence
             fence = lock.fence
         return fence
+
     assert asyncio.run(main()) > 0
 
 
@@ -63,5 +67,5 @@ def test_reset():
     m.acquire()
     assert reset("r")
     assert not m.owned()
-    with pytest.raises(Exception):
+    with pytest.raises(LockNotOwned):
         m.release()

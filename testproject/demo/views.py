@@ -66,7 +66,9 @@ def hold(request: HttpRequest) -> HttpResponse:
     lock = Mutex("inventory", label=f"held on purpose for {HOLD_SECONDS}s", timeout=0)
     if lock.acquire(blocking=False):
         threading.Thread(target=_hold, args=(lock,), daemon=True).start()
-        messages.info(request, f"Holding the inventory lock for {HOLD_SECONDS}s (fence {lock.fence}).")
+        messages.info(
+            request, f"Holding the inventory lock for {HOLD_SECONDS}s (fence {lock.fence})."
+        )
     else:
         messages.warning(request, "The inventory lock is already held.")
     return redirect("inventory")

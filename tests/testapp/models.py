@@ -10,6 +10,9 @@ class Counter(models.Model):
     name = models.CharField(max_length=50, unique=True)
     value = models.IntegerField(default=0)
 
+    def __str__(self) -> str:
+        return self.name
+
     @mutex("counter:{self.pk}")
     def bump(self) -> int:
         self.refresh_from_db()
@@ -23,4 +26,8 @@ class FencedRecord(FencedModel):
 
     name = models.CharField(max_length=50, unique=True)
     value = models.IntegerField(default=0)
+
+    def __str__(self) -> str:
+        return self.name
+
     written_by = models.CharField(max_length=50, default="")

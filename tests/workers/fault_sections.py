@@ -45,8 +45,11 @@ def point_locks_at(url: str | None, socket_timeout: float | None) -> None:
         entry["LOCATION"] = url
     if socket_timeout:
         builtin = entry["BACKEND"].startswith("django.core.")
-        names = ("socket_timeout", "socket_connect_timeout") if builtin else (
-            "SOCKET_TIMEOUT", "SOCKET_CONNECT_TIMEOUT")
+        names = (
+            ("socket_timeout", "socket_connect_timeout")
+            if builtin
+            else ("SOCKET_TIMEOUT", "SOCKET_CONNECT_TIMEOUT")
+        )
         entry["OPTIONS"] = {**entry.get("OPTIONS", {}), **dict.fromkeys(names, socket_timeout)}
 
 
@@ -64,15 +67,27 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--ttl", type=float, default=30.0)
     parser.add_argument("--timeout", type=float, default=10.0)
     parser.add_argument("--no-watchdog", dest="watchdog", action="store_false")
-    parser.add_argument("--no-reentrant", dest="reentrant", action="store_false",
-                        help="never join a hold this thread may still have on the lock")
+    parser.add_argument(
+        "--no-reentrant",
+        dest="reentrant",
+        action="store_false",
+        help="never join a hold this thread may still have on the lock",
+    )
     parser.add_argument("--lock-url", help="where the lock alias connects (Redis or a proxy)")
     parser.add_argument("--socket-timeout", type=float, help="socket timeouts of the lock alias")
-    parser.add_argument("--retry-pause", type=float, default=0.05,
-                        help="back-off after a failed attempt, so a dead Redis is not hammered")
+    parser.add_argument(
+        "--retry-pause",
+        type=float,
+        default=0.05,
+        help="back-off after a failed attempt, so a dead Redis is not hammered",
+    )
     parser.add_argument("--buffer", action="store_true", help="report everything at the end")
-    parser.add_argument("--processes", type=int, default=1,
-                        help="fork this many processes after setting up once (needs --out-dir)")
+    parser.add_argument(
+        "--processes",
+        type=int,
+        default=1,
+        help="fork this many processes after setting up once (needs --out-dir)",
+    )
     parser.add_argument("--out-dir", help="directory for each forked process's report file")
     return parser.parse_args()
 
@@ -99,14 +114,18 @@ class Run:
         self.args = args
         self.data = data_client()
         self.recorder = Recorder(report, buffered=args.buffer)
-        self.names = [args.name] if args.names == 1 else [
-            f"{args.name}:{i}" for i in range(args.names)
-        ]
+        self.names = (
+            [args.name] if args.names == 1 else [f"{args.name}:{i}" for i in range(args.names)]
+        )
         self.stopped = threading.Event()
         self.ends_at = float("inf")
         self.totals: dict[str, Any] = {
-            "sections": 0, "lost": 0, "contended": 0, "failures": 0,
-            "max_acquire": 0.0, "max_release": 0.0,
+            "sections": 0,
+            "lost": 0,
+            "contended": 0,
+            "failures": 0,
+            "max_acquire": 0.0,
+            "max_release": 0.0,
         }
         self.errors: list[str] = []
         self._lock = threading.Lock()
@@ -125,8 +144,13 @@ class Run:
     def section(self, name: str) -> None:
         """Attempt one section on ``name`` and report how it went."""
         args = self.args
-        lock = Mutex(name, ttl=args.ttl, timeout=args.timeout, watchdog=args.watchdog,
-                     reentrant=args.reentrant)
+        lock = Mutex(
+            name,
+            ttl=args.ttl,
+            timeout=args.timeout,
+            watchdog=args.watchdog,
+            reentrant=args.reentrant,
+        )
         counter = f"{args.counter}:{name}"
         called, called_wall = time.monotonic(), time.time()
         enter = leave = 0.0
@@ -151,8 +175,9 @@ class Run:
             op = "release" if enter else "acquire"
             took = time.time() - leave if enter else time.monotonic() - called
             self.note(failures=1, **{f"max_{op}": took})
-            self.recorder.event("failure", name=name, op=op, took=took,
-                                error=type(exc).__name__, message=str(exc))
+            self.recorder.event(
+                "failure", name=name, op=op, took=took, error=type(exc).__name__, message=str(exc)
+            )
             if not enter:
                 time.sleep(args.retry_pause)
                 return
@@ -188,8 +213,9 @@ def run_process(report: IO[str]) -> int:
         run.ends_at = time.monotonic() + ARGS.duration
     if ARGS.stop:
         threading.Thread(target=run.watch_stop, name="stop-watcher", daemon=True).start()
-    threads = [threading.Thread(target=run.contend, name=f"contender-{i}")
-               for i in range(ARGS.threads)]
+    threads = [
+        threading.Thread(target=run.contend, name=f"contender-{i}") for i in range(ARGS.threads)
+    ]
     for thread in threads:
         thread.start()
     for thread in threads:

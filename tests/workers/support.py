@@ -36,8 +36,9 @@ def data_client() -> redis.Redis:
     them: it is the "storage" a lock protects, reached without the app.
     """
     # redis-py reads with a 5 s socket timeout by default; signal waits are longer.
-    return redis.Redis.from_url(os.environ["DJANGO_REDIS_MUTEX_TEST_URL"],
-                                socket_timeout=SIGNAL_TIMEOUT + 10)
+    return redis.Redis.from_url(
+        os.environ["DJANGO_REDIS_MUTEX_TEST_URL"], socket_timeout=SIGNAL_TIMEOUT + 10
+    )
 
 
 def wait_for_signal(client: redis.Redis, key: str, what: str) -> None:

@@ -1,4 +1,4 @@
-"""Run the demo: a private Redis (unless REDIS_URL is set), SQLite, a superuser, workers, runserver."""
+"""Run the demo: a private Redis (unless REDIS_URL), SQLite, a superuser, workers, runserver."""
 
 from __future__ import annotations
 
@@ -24,8 +24,12 @@ class Command(BaseCommand):
 
     def add_arguments(self, parser: Any) -> None:
         parser.add_argument("addrport", nargs="?", default="127.0.0.1:8000")
-        parser.add_argument("--no-workers", action="store_false", dest="workers",
-                            help="Do not start the background workers that contend for demo locks.")
+        parser.add_argument(
+            "--no-workers",
+            action="store_false",
+            dest="workers",
+            help="Do not start the background workers that contend for demo locks.",
+        )
 
     def handle(self, *args: Any, **options: Any) -> None:
         server = workers = None
@@ -41,9 +45,11 @@ class Command(BaseCommand):
                 workers = subprocess.Popen(
                     [sys.executable, sys.argv[0], "demo_workers"], env=dict(os.environ)
                 )
-            self.stdout.write(self.style.SUCCESS(
-                f"Demo: http://{options['addrport']}/   admin: {DEMO_USER} / {DEMO_PASSWORD}"
-            ))
+            self.stdout.write(
+                self.style.SUCCESS(
+                    f"Demo: http://{options['addrport']}/   admin: {DEMO_USER} / {DEMO_PASSWORD}"
+                )
+            )
             call_command("runserver", options["addrport"], use_reloader=False)
         finally:
             if workers is not None:
