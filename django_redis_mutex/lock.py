@@ -121,6 +121,7 @@ class Mutex:
         self._depth = 0
         self._contention: tuple[int, dict[str, Any] | None, float] = (0, None, 0.0)
         self._failed_open = False
+        self._owner_json: str | None = None
 
     def __repr__(self) -> str:
         state = f"fence={self.fence}" if self._hold is not None else "unlocked"
@@ -179,7 +180,11 @@ class Mutex:
         return True
 
     def _acquire_args(self, token: str, join: bool) -> list[Any]:
-        return [token, _ms(self.lease), owner_metadata(self.label), self.name, 1 if join else 0]
+        # The owner record is taken once per acquire, in the caller's own
+        # thread or task (a wait may run in a child task).
+        if self._owner_json is None:
+            self._owner_json = owner_metadata(self.label)
+        return [token, _ms(self.lease), self._owner_json, self.name, 1 if join else 0]
 
     def _cancel_args(self, token: str) -> list[Any]:
         return [token, self.name]
@@ -283,6 +288,7 @@ class Mutex:
         started = time.monotonic()
         deadline = None if timeout is None else started + timeout
         token = secrets.token_hex(16)
+        self._owner_json = None
         client = get_client(self.using)
         with backend_errors(self.name, self.using):
             reply = scripts.run(
@@ -362,7 +368,7 @@ class Mutex:
         started = time.monotonic()
         deadline = None if timeout is None else started + timeout
         token = secrets.token_hex(16)
-        cancels = _cancel_requests()
+        self._owner_json = None
         with backend_errors(self.name, self.using):
             client = await get_async_client(self.using)
             reply = await scripts.arun(
@@ -375,13 +381,7 @@ class Mutex:
             if not blocking:
                 self._note_contention()
                 return False
-            try:
-                granted = await self._await(client, token, deadline, reply, started, cancels)
-            except redis_errors.TimeoutError:
-                raise
-            except BaseException:
-                await asyncio.shield(self._aabandon(client, token))
-                raise
+            granted = await self._await_in_child(client, token, deadline, reply, started)
         if granted is None:
             self._contention = (*self._contention[:2], time.monotonic() - started)
             self._note_contention()
@@ -390,6 +390,41 @@ class Mutex:
             await self.aextend()
         return True
 
+    async def _await_in_child(
+        self, client: Any, token: str, deadline: float | None, reply: list[Any], started: float
+    ) -> Any:
+        """Run the wait in a child task, so a cancellation of the caller is never lost.
+
+        redis-py sends through ``asyncio.wait_for``, which before Python 3.12
+        can swallow a cancel() landing just as a send completes; a waiter would
+        then sit out its timeout and might take the lock for a task that is
+        gone. Waiting on the child with ``asyncio.wait`` always sees the cancel,
+        and ``stop`` ends the child even if its own cancel was swallowed.
+        """
+        stop = asyncio.Event()
+        child = asyncio.ensure_future(
+            self._await(client, token, deadline, reply, started, stop)
+        )
+        try:
+            await asyncio.wait({child})
+        except BaseException:
+            stop.set()
+            child.cancel()
+            await asyncio.wait({child})
+            if not child.cancelled() and child.exception() is None:
+                child.result()  # retrieved: its lock, if any, is released below
+            await asyncio.shield(self._aabandon(client, token))
+            raise
+        try:
+            return child.result()
+        except redis_errors.TimeoutError:
+            # Redis is not answering: a cancel would wait out another socket
+            # timeout. Our queue slot lapses after WAIT_LEASE.
+            raise
+        except BaseException:
+            await asyncio.shield(self._aabandon(client, token))
+            raise
+
     async def _await(
         self,
         client: Any,
@@ -397,12 +432,13 @@ class Mutex:
         deadline: float | None,
         reply: list[Any],
         started: float,
-        cancels: int = 0,
+        stop: asyncio.Event,
     ) -> Any:
         wake_key = self.keys.wake_prefix + token
         socket_timeout = _socket_timeout(client)
         while True:
-            self._raise_if_cancelled(cancels)
+            if stop.is_set():
+                raise asyncio.CancelledError(f"Waiting for lock {self.name!r} was cancelled.")
             if deadline is not None and time.monotonic() >= deadline:
                 final = await scripts.arun(
                     client, scripts.CANCEL, self.keys.script_keys, self._cancel_args(token)
@@ -411,25 +447,16 @@ class Mutex:
             wait, local = self._wait_slice(deadline, reply[1], socket_timeout)
             if local:
                 await asyncio.sleep(wait)
-            else:
-                popped = await client.blpop([wake_key], timeout=wait)
-                self._raise_if_cancelled(cancels)
-                if popped:
-                    return popped[1], HANDOFF_LEASE
+            elif popped := await client.blpop([wake_key], timeout=wait):
+                return popped[1], HANDOFF_LEASE
+            if stop.is_set():
+                raise asyncio.CancelledError(f"Waiting for lock {self.name!r} was cancelled.")
             reply = await scripts.arun(
                 client, scripts.ACQUIRE, self.keys.script_keys, self._acquire_args(token, True)
             )
             if reply[0] == 1:
                 return reply[1], (int(reply[2]) / 1000 if len(reply) > 2 else None)
             self._refused(reply, started)
-
-    def _raise_if_cancelled(self, cancels: int) -> None:
-        # Python 3.11's asyncio.wait_for (which redis-py uses to send with a
-        # socket timeout) can swallow a cancel() that lands just as the send
-        # completes. Without this check a cancelled waiter would wait out its
-        # whole timeout and could even take the lock for a task that is gone.
-        if _cancel_requests() > cancels:
-            raise asyncio.CancelledError(f"Waiting for lock {self.name!r} was cancelled.")
 
     async def _aabandon(self, client: Any, token: str) -> None:
         try:
@@ -728,13 +755,6 @@ class Mutex:
             logger.error("Could not release lock %r: %s", self.name, error)
             return
         raise error
-
-
-def _cancel_requests() -> int:
-    """Return the current task's pending cancel requests (0 before Python 3.11)."""
-    task = asyncio.current_task()
-    cancelling = getattr(task, "cancelling", None)
-    return int(cancelling()) if cancelling is not None else 0
 
 
 def _owner_dict(raw: Any) -> dict[str, Any] | None:

@@ -208,6 +208,7 @@ class QuorumMutex(Mutex):
         started = time.monotonic()
         deadline = None if timeout is None else started + timeout
         token = secrets.token_hex(16)
+        self._owner_json = None
         while True:
             attempt_started = time.monotonic()
             replies, errors = self._attempt(token)
@@ -229,6 +230,7 @@ class QuorumMutex(Mutex):
         started = time.monotonic()
         deadline = None if timeout is None else started + timeout
         token = secrets.token_hex(16)
+        self._owner_json = None
         while True:
             attempt_started = time.monotonic()
             try:
