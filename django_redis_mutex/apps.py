@@ -1,9 +1,10 @@
 from django.apps import AppConfig
+from django.utils.translation import gettext_lazy as _
 
 
 class DjangoRedisMutexConfig(AppConfig):
     name = "django_redis_mutex"
-    verbose_name = "Redis locks"
+    verbose_name = _("Redis locks")
 
     def ready(self) -> None:
         from . import checks  # noqa: F401  (registers the system checks)

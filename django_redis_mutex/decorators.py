@@ -13,8 +13,8 @@ import functools
 import inspect
 import string
 import threading
-from collections.abc import Callable
-from typing import Any, TypeVar, cast
+from collections.abc import Callable, Sequence
+from typing import Any, Literal, TypeVar, cast
 
 from .conf import validate_timeout, validate_ttl
 from .holds import current_owner
@@ -123,7 +123,7 @@ class MutexContext:
         self._push(lock)
         return lock
 
-    def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> bool:
+    def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> Literal[False]:
         return self._pop().__exit__(exc_type, exc, tb)
 
     async def __aenter__(self) -> Mutex:
@@ -132,7 +132,7 @@ class MutexContext:
         self._push(lock)
         return lock
 
-    async def __aexit__(self, exc_type: Any, exc: Any, tb: Any) -> bool:
+    async def __aexit__(self, exc_type: Any, exc: Any, tb: Any) -> Literal[False]:
         return await self._pop().__aexit__(exc_type, exc, tb)
 
     # -- decorator: the name is filled from the call -------------------------
@@ -216,7 +216,7 @@ class MutexContext:
 def mutex(
     name: str | Callable[..., str],
     *,
-    using: str = "default",
+    using: str | Sequence[str] = "default",
     ttl: float = DEFAULT,
     timeout: float | None = DEFAULT,
     blocking: bool = DEFAULT,

@@ -86,4 +86,5 @@ class LockKeys:
 
     @property
     def script_keys(self) -> list[str]:
-        return [self.lock, self.fence, self.queue, self.leases, self.waiting]
+        """The KEYS every lock script takes: the lock key (the scripts derive the rest)."""
+        return [self.lock]

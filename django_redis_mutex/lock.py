@@ -84,7 +84,7 @@ class Mutex:
         self,
         name: str,
         *,
-        using: str = "default",
+        using: str | Sequence[str] = "default",
         ttl: float = DEFAULT,
         timeout: float | None = DEFAULT,
         blocking: bool = DEFAULT,
@@ -119,7 +119,7 @@ class Mutex:
         self.keys = LockKeys.for_name(namespace(using), self.name)
         self._hold: Hold | None = None
         self._depth = 0
-        self._contention: tuple[int, dict[str, Any] | None, float] = (0, None, 0.0)
+        self._contention: tuple[int, Any, float] = (0, None, 0.0)
         self._failed_open = False
         self._owner_json: str | None = None
 
@@ -148,6 +148,8 @@ class Mutex:
         """Return the error describing the last failed acquisition of this handle."""
         pttl, owner, waited = self._contention
         retry_after = max(1, math.ceil(pttl / 1000)) if pttl > 0 else 1
+        if not isinstance(owner, dict):
+            owner = _owner_dict(owner) if owner else None
         return LockContended(self.name, retry_after=retry_after, owner=owner, waited=waited)
 
     # -- acquire -------------------------------------------------------------
@@ -253,15 +255,9 @@ class Mutex:
         return ((self.using, self.keys.lock),), 1
 
     def _refused(self, reply: list[Any], started: float) -> None:
-        owner_json = decode(reply[2]) if len(reply) > 2 else ""
-        owner = None
-        if owner_json:
-            import json
-
-            try:
-                owner = json.loads(owner_json)
-            except ValueError:
-                owner = None
+        # The holder's owner record stays raw until an error needs it: a
+        # waiter is refused on every check-in, and parsing it each time is waste.
+        owner = reply[2] if len(reply) > 2 else None
         self._contention = (int(reply[1]), owner, time.monotonic() - started)
 
     def _note_contention(self) -> None:
@@ -402,9 +398,7 @@ class Mutex:
         and ``stop`` ends the child even if its own cancel was swallowed.
         """
         stop = asyncio.Event()
-        child = asyncio.ensure_future(
-            self._await(client, token, deadline, reply, started, stop)
-        )
+        child = asyncio.ensure_future(self._await(client, token, deadline, reply, started, stop))
         try:
             await asyncio.wait({child})
         except BaseException:

