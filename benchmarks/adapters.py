@@ -72,6 +72,17 @@ class MutexNoWatchdog(MutexHandle):
     watchdog = False
 
 
+class MutexQuorum(MutexHandle):
+    """django-redis-mutex as a Redlock quorum lock on three independent masters."""
+
+    def acquire(self) -> Any:
+        from django_redis_mutex import Mutex
+
+        lock = Mutex(self.name, using=["q1", "q2", "q3"], timeout=WAIT)
+        self._check(lock.acquire())
+        return lock
+
+
 class MutexContext(Adapter):
     """django-redis-mutex through ``with mutex(name):`` (the decorator's path)."""
 
@@ -187,6 +198,7 @@ CONTENDERS: list[Contender] = [
     Contender(
         "drm-no-watchdog", "django-redis-mutex watchdog=False", MutexNoWatchdog, contended=False
     ),
+    Contender("drm-quorum", "django-redis-mutex Redlock (3 masters)", MutexQuorum, contended=False),
     Contender("raw", "raw SET NX PX + EVALSHA", RawBaseline, contended=False),
     Contender("redis-py", "redis-py Lock (sleep 0.1)", RedisPyLock),
     Contender("redis-py-1ms", "redis-py Lock (sleep 0.001)", RedisPyLockFastPoll),

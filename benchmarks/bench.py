@@ -36,6 +36,8 @@ from environment import benchmark_redis, describe  # noqa: E402
 from report import evaluate_targets, markdown, plot, update_readme, write_json  # noqa: E402
 from uncontended import run_uncontended  # noqa: E402
 
+from django_redis_mutex.testing import RedisServer  # noqa: E402
+
 COMMAND = "UV_PYTHON_DOWNLOADS=never uv run --group bench python benchmarks/bench.py"
 
 
@@ -103,9 +105,9 @@ def main(argv: list[str]) -> int:
     out = Path(tempfile.mkdtemp(prefix="bench-quick-")) if args.quick else HERE / "results"
     out.mkdir(parents=True, exist_ok=True)
 
-    with benchmark_redis() as (url, where):
-        log(f"Redis: {url} ({where}); run id {run_id}")
-        configure_django(url, key_prefix)
+    with benchmark_redis() as (url, where), RedisServer() as q2, RedisServer() as q3:
+        log(f"Redis: {url} ({where}); run id {run_id}; quorum peers {q2.url} {q3.url}")
+        configure_django(url, key_prefix, quorum_urls=[q2.url, q3.url])
         environment = describe(url, where)
         log(f"Uncontended: {len(chosen)} libraries x {args.cycles} cycles")
         uncontended = run_uncontended(

@@ -8,8 +8,12 @@ watchdog on): the numbers are what a user gets out of the box.
 from __future__ import annotations
 
 
-def configure_django(redis_url: str, key_prefix: str) -> None:
-    """Configure and set up Django once per process, with one django-redis cache."""
+def configure_django(redis_url: str, key_prefix: str, quorum_urls: list[str] | None = None) -> None:
+    """Configure and set up Django once per process, with one django-redis cache.
+
+    ``quorum_urls`` (two more private servers) add the aliases ``q1``-``q3``
+    for the Redlock (three masters) row of the uncontended table.
+    """
     import django
     from django.conf import settings
 
@@ -26,7 +30,16 @@ def configure_django(redis_url: str, key_prefix: str) -> None:
                 "BACKEND": "django_redis.cache.RedisCache",
                 "LOCATION": redis_url,
                 "KEY_PREFIX": key_prefix,
-            }
+            },
+            **{
+                f"q{index}": {
+                    "BACKEND": "django_redis.cache.RedisCache",
+                    "LOCATION": url,
+                    "KEY_PREFIX": key_prefix,
+                }
+                for index, url in enumerate([redis_url, *(quorum_urls or [])], start=1)
+                if quorum_urls
+            },
         },
     )
     django.setup()

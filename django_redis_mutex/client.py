@@ -325,7 +325,7 @@ def clear_clients() -> None:
         _async_clients.clear()
 
 
-class backend_errors:  # lower case: used like the function it replaced, ``with backend_errors(...)``
+class backend_errors:  # lower case: it replaced a function of that name
     """Translate a transport failure talking to Redis into LockBackendUnavailable.
 
     A plain class rather than ``@contextmanager``: it sits twice on every
