@@ -11,8 +11,9 @@ import os
 import subprocess
 import sys
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 import redis
@@ -108,3 +109,24 @@ def cache_options(
     if decode_responses is not None:
         options["CONNECTION_POOL_KWARGS"] = {"decode_responses": decode_responses}
     return options
+
+
+def caches_with(**options: object) -> dict[str, Any]:
+    """Return a copy of settings.CACHES with ``options`` merged into the default MUTEX block."""
+    from django.conf import settings
+
+    caches = copy.deepcopy(settings.CACHES)
+    caches["default"]["MUTEX"] = {**caches["default"].get("MUTEX", {}), **options}
+    return caches
+
+
+def wait_until(predicate: Callable[[], object], timeout: float = 5.0) -> bool:
+    """Poll ``predicate`` every 10 ms until it is true (True) or ``timeout`` passes (False)."""
+    import time
+
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(0.01)
+    return True

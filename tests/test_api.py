@@ -6,7 +6,6 @@ threads, which are separate lock owners exactly like separate processes.
 
 from __future__ import annotations
 
-import copy
 import logging
 import os
 import threading
@@ -17,7 +16,6 @@ from datetime import datetime, timedelta, timezone
 from typing import Any
 
 import pytest
-from django.conf import settings
 from django.test import override_settings
 
 from django_redis_mutex import (
@@ -32,23 +30,7 @@ from django_redis_mutex import (
     reset_all,
 )
 
-
-def caches_with(**options: Any) -> dict[str, Any]:
-    """Return a copy of settings.CACHES with ``options`` merged into the default MUTEX block."""
-    caches = copy.deepcopy(settings.CACHES)
-    caches["default"]["MUTEX"] = {**caches["default"].get("MUTEX", {}), **options}
-    return caches
-
-
-def wait_until(predicate: Any, timeout: float = 5.0) -> bool:
-    """Poll ``predicate`` until it is true or ``timeout`` passes; return its last value."""
-    deadline = time.monotonic() + timeout
-    while True:
-        if predicate():
-            return True
-        if time.monotonic() >= deadline:
-            return False
-        time.sleep(0.01)
+from .conftest import caches_with, wait_until
 
 
 @contextmanager

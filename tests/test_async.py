@@ -8,14 +8,12 @@ lock owner of its own: reentrant within itself, a contender to every other task
 from __future__ import annotations
 
 import asyncio
-import copy
 import os
 import threading
 import time
 from typing import Any
 
 import pytest
-from django.conf import settings
 from django.test import override_settings
 
 from django_redis_mutex import (
@@ -28,12 +26,7 @@ from django_redis_mutex import (
     reset,
 )
 
-
-def caches_with(**options: Any) -> dict[str, Any]:
-    """Return a copy of settings.CACHES with ``options`` merged into the default MUTEX block."""
-    caches = copy.deepcopy(settings.CACHES)
-    caches["default"]["MUTEX"] = {**caches["default"].get("MUTEX", {}), **options}
-    return caches
+from .conftest import caches_with
 
 
 async def until(predicate: Any, timeout: float = 5.0) -> bool:

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import copy
 import threading
-import time
 from typing import Any
 
 import pytest
@@ -23,12 +22,7 @@ from django.test import override_settings
 
 from django_redis_mutex import Mutex, held_locks, mutex, reset, reset_all
 
-
-def caches_with(**options: Any) -> dict[str, Any]:
-    """Return a copy of settings.CACHES with ``options`` merged into the default MUTEX block."""
-    caches = copy.deepcopy(settings.CACHES)
-    caches["default"]["MUTEX"] = {**caches["default"].get("MUTEX", {}), **options}
-    return caches
+from .conftest import caches_with, wait_until
 
 
 def caches_plus(alias: str, entry: dict[str, Any]) -> dict[str, Any]:
@@ -36,16 +30,6 @@ def caches_plus(alias: str, entry: dict[str, Any]) -> dict[str, Any]:
     caches = copy.deepcopy(settings.CACHES)
     caches[alias] = entry
     return caches
-
-
-def wait_until(predicate: Any, timeout: float = 5.0) -> bool:
-    """Poll ``predicate`` until it is true or ``timeout`` passes."""
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        if time.monotonic() >= deadline:
-            return False
-        time.sleep(0.01)
-    return True
 
 
 LOCMEM = {"BACKEND": "django.core.cache.backends.locmem.LocMemCache"}

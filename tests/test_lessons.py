@@ -37,24 +37,7 @@ from django_redis_mutex import (
 from django_redis_mutex.testing import RedisServer
 from django_redis_mutex.watchdog import get_watchdog
 
-from .conftest import cache_options
-
-
-def caches_with(**options: Any) -> dict[str, Any]:
-    """Return a copy of settings.CACHES with ``options`` merged into the default MUTEX block."""
-    entries = copy.deepcopy(settings.CACHES)
-    entries["default"]["MUTEX"] = {**entries["default"].get("MUTEX", {}), **options}
-    return entries
-
-
-def wait_until(predicate: Any, timeout: float = 5.0) -> bool:
-    """Poll ``predicate`` until it is true or ``timeout`` passes."""
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        if time.monotonic() >= deadline:
-            return False
-        time.sleep(0.01)
-    return True
+from .conftest import cache_options, caches_with, wait_until
 
 
 @contextmanager
