@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
 from typing import Any
@@ -51,7 +52,12 @@ class Command(BaseCommand):
                 )
             )
             call_command("runserver", options["addrport"], use_reloader=False)
+        except KeyboardInterrupt:
+            self.stdout.write("Stopping the demo.")
         finally:
+            # Ctrl-C reaches every process of the terminal's group, and uv
+            # forwards it once more: a second SIGINT must not cut the cleanup.
+            signal.signal(signal.SIGINT, signal.SIG_IGN)
             if workers is not None:
                 workers.terminate()
                 workers.wait(10)
