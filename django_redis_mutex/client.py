@@ -317,6 +317,19 @@ def namespace(alias: str) -> str:
     return ns
 
 
+def reset_after_fork() -> None:
+    """Start a forked child with a fresh lock and no clients of the parent's.
+
+    The parent's lock may have been held by another thread at fork time; in
+    the child it would never be released, so it is replaced, not acquired.
+    """
+    global _lock
+    _lock = threading.Lock()
+    _sync_clients.clear()
+    _namespaces.clear()
+    _async_clients.clear()
+
+
 def clear_clients() -> None:
     """Forget cached clients and namespaces (after CACHES changed, or in a forked child)."""
     with _lock:

@@ -190,6 +190,33 @@ class MutexContext:
         if not callable(func):
             raise TypeError(f"mutex() decorates a callable, not {type(func).__name__}.")
         options = self._options
+        # A generator's body runs while it is iterated, not when it is called:
+        # hold the lock for the whole iteration.
+        if inspect.isasyncgenfunction(func):
+
+            @functools.wraps(func)
+            async def async_gen_inner(*args: Any, **kwargs: Any) -> Any:
+                name = self.name_for(func, args, kwargs)
+                if not name:
+                    async for item in func(*args, **kwargs):
+                        yield item
+                    return
+                async with Mutex(name, **options):
+                    async for item in func(*args, **kwargs):
+                        yield item
+
+            return cast(F, async_gen_inner)
+        if inspect.isgeneratorfunction(func):
+
+            @functools.wraps(func)
+            def gen_inner(*args: Any, **kwargs: Any) -> Any:
+                name = self.name_for(func, args, kwargs)
+                if not name:
+                    return (yield from func(*args, **kwargs))
+                with Mutex(name, **options):
+                    return (yield from func(*args, **kwargs))
+
+            return cast(F, gen_inner)
         if inspect.iscoroutinefunction(func):
 
             @functools.wraps(func)

@@ -127,7 +127,9 @@ def current_hold(alias: str, lock_key: str) -> Hold | None:
 
 def remember_hold(hold: Hold) -> None:
     """Make ``hold`` visible to nested acquisitions by the same owner."""
-    holds = dict(_holds.get() or {})
+    # Copy only live holds: a release that ran in another task (a shielded
+    # arelease) could not drop its entry from this context.
+    holds = {key: held for key, held in (_holds.get() or {}).items() if held.active}
     holds[(hold.alias, hold.keys.lock)] = hold
     _holds.set(holds)
 

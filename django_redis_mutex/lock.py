@@ -167,7 +167,9 @@ class Mutex:
     def _nest(self) -> bool:
         """Join the current owner's hold on this lock, if reentrancy allows."""
         if self._hold is not None and self._hold.active:
-            if not self.reentrant:
+            # A handle shared by two threads (or copied into a forked child)
+            # nests only for the owner that holds it.
+            if not self.reentrant or self._hold.owner != current_owner():
                 return False
             hold: Hold | None = self._hold
         elif self.reentrant:
@@ -245,9 +247,17 @@ class Mutex:
         if self.watchdog:
             get_watchdog().watch(hold, first_renewal=None if short is None else short / 3)
         if signals.lock_acquired.receivers:
-            signals.lock_acquired.send(
-                sender=self.using, name=self.name, fence=hold.fence, wait=hold.acquired_at - started
-            )
+            try:
+                signals.lock_acquired.send(
+                    sender=self.using,
+                    name=self.name,
+                    fence=hold.fence,
+                    wait=hold.acquired_at - started,
+                )
+            except BaseException:
+                # The caller never gets the lock, so nothing would release it.
+                self._give_back(hold)
+                raise
         return short is not None and not self.watchdog
 
     def _hold_targets(self) -> tuple[tuple[tuple[str, str], ...], int]:
@@ -291,21 +301,14 @@ class Mutex:
                 client, scripts.ACQUIRE, self.keys.script_keys, self._acquire_args(token, blocking)
             )
             if reply[0] == 1:
-                self._granted(token, reply[1], started)
-                return True
-            self._refused(reply, started)
-            if not blocking:
-                self._note_contention()
-                return False
-            try:
-                granted = self._wait(client, token, deadline, reply, started)
-            except redis_errors.TimeoutError:
-                # Redis is not answering: a cancel would wait out another
-                # socket timeout. Our queue slot lapses after WAIT_LEASE.
-                raise
-            except BaseException:
-                self._abandon(client, token)
-                raise
+                granted = (reply[1], None)
+            else:
+                self._refused(reply, started)
+                if not blocking:
+                    self._note_contention()
+                    return False
+                granted = self._wait_or_abandon(client, token, deadline, reply, started)
+        # Outside backend_errors: an error of a signal receiver is not Redis's.
         if granted is None:
             self._contention = (*self._contention[:2], time.monotonic() - started)
             self._note_contention()
@@ -313,6 +316,20 @@ class Mutex:
         if self._granted(token, granted[0], started, lease_left=granted[1]):
             self.extend()
         return True
+
+    def _wait_or_abandon(
+        self, client: Any, token: str, deadline: float | None, reply: list[Any], started: float
+    ) -> Any:
+        """Run :meth:`_wait`, leaving the queue cleanly if the wait is interrupted."""
+        try:
+            return self._wait(client, token, deadline, reply, started)
+        except redis_errors.TimeoutError:
+            # Redis is not answering: a cancel would wait out another
+            # socket timeout. Our queue slot lapses after WAIT_LEASE.
+            raise
+        except BaseException:
+            self._abandon(client, token)
+            raise
 
     def _wait(
         self, client: Any, token: str, deadline: float | None, reply: list[Any], started: float
@@ -371,13 +388,13 @@ class Mutex:
                 client, scripts.ACQUIRE, self.keys.script_keys, self._acquire_args(token, blocking)
             )
             if reply[0] == 1:
-                self._granted(token, reply[1], started)
-                return True
-            self._refused(reply, started)
-            if not blocking:
-                self._note_contention()
-                return False
-            granted = await self._await_in_child(client, token, deadline, reply, started)
+                granted = (reply[1], None)
+            else:
+                self._refused(reply, started)
+                if not blocking:
+                    self._note_contention()
+                    return False
+                granted = await self._await_in_child(client, token, deadline, reply, started)
         if granted is None:
             self._contention = (*self._contention[:2], time.monotonic() - started)
             self._note_contention()
@@ -404,10 +421,14 @@ class Mutex:
         except BaseException:
             stop.set()
             child.cancel()
-            await asyncio.wait({child})
-            if not child.cancelled() and child.exception() is None:
-                child.result()  # retrieved: its lock, if any, is released below
-            await asyncio.shield(self._aabandon(client, token))
+            try:
+                await asyncio.shield(asyncio.wait({child}))
+            finally:
+                # Even if cancelled again here: leave the queue, and release a
+                # lock that was handed over meanwhile.
+                if child.done() and not child.cancelled():
+                    child.exception()  # retrieved, so asyncio does not warn
+                await asyncio.shield(self._aabandon(client, token))
             raise
         try:
             return child.result()
@@ -468,6 +489,18 @@ class Mutex:
 
     def _release_args(self, token: str) -> list[Any]:
         return [token]
+
+    def _give_back(self, hold: Hold) -> None:
+        """Release a hold the caller will never see (best effort; its lease ends anyway)."""
+        get_watchdog().unwatch(hold)
+        forget_hold(hold)
+        self._hold = None
+        self._depth = 0
+        for alias, lock_key in hold.targets:
+            try:
+                scripts.run(get_client(alias), scripts.RELEASE, [lock_key], [hold.token])
+            except Exception as exc:
+                logger.warning("Could not give back lock %r on %r: %s", self.name, alias, exc)
 
     @staticmethod
     def _release_failed_locally(hold: Hold) -> None:
@@ -530,6 +563,9 @@ class Mutex:
         hold = self._held_or_raise("release")
         if self._unnest(hold):
             return
+        # Stop renewing first: a renewal answered after our release would
+        # otherwise report the lock as lost.
+        get_watchdog().unwatch(hold)
         try:
             with backend_errors(self.name, self.using):
                 released = scripts.run(
@@ -548,6 +584,7 @@ class Mutex:
         hold = self._held_or_raise("release")
         if self._unnest(hold):
             return
+        get_watchdog().unwatch(hold)
         try:
             with backend_errors(self.name, self.using):
                 client = await get_async_client(self.using)

@@ -22,6 +22,7 @@ from __future__ import annotations
 import asyncio
 import random
 import secrets
+import sys
 import time
 from collections.abc import Sequence
 from typing import Any
@@ -35,6 +36,7 @@ from .exceptions import LockBackendUnavailable
 from .holds import Hold, decode
 from .keys import LockKeys
 from .lock import DEFAULT, Mutex, _ms, _owner_dict
+from .watchdog import get_watchdog
 
 __all__ = ["QuorumMutex"]
 
@@ -189,11 +191,22 @@ class QuorumMutex(Mutex):
         if len(granted) >= self.quorum and self._valid(attempt_started):
             return max(granted.values())
         self._contention = (pttl, owner, time.monotonic() - started)
-        if granted:
-            self._each(scripts.RELEASE, self._script_keys, [token], only=list(granted))
+        # Undo on every master: one whose reply was lost may have granted it.
+        self._each(scripts.RELEASE, self._script_keys, [token])
         if len(errors) > len(self.aliases) - self.quorum:
             raise self._unavailable(errors, "acquire")
         return None
+
+    def _floor_result(self, token: str, errors: dict[str, BaseException]) -> None:
+        if len(errors) > len(self.aliases) - self.quorum:
+            # Without the floor on a majority, a later majority could hand out
+            # a smaller fence: give the lock back rather than break the order.
+            self._each(scripts.RELEASE, self._script_keys, [token])
+            raise self._unavailable(errors, "record the fence of")
+
+    def _raise_fence_floor(self, token: str, fence: int) -> None:
+        _replies, errors = self._each(scripts.RAISE_FENCE, self._fence_key, [fence])
+        self._floor_result(token, errors)
 
     def _retry_delay(self, deadline: float | None) -> float:
         delay = random.uniform(*RETRY_DELAY)
@@ -215,10 +228,16 @@ class QuorumMutex(Mutex):
         self._owner_json = None
         while True:
             attempt_started = time.monotonic()
-            replies, errors = self._attempt(token)
-            fence = self._outcome(token, replies, errors, attempt_started, started)
+            try:
+                replies, errors = self._attempt(token)
+                fence = self._outcome(token, replies, errors, attempt_started, started)
+                if fence is not None:
+                    self._raise_fence_floor(token, fence)
+            except BaseException:
+                if not isinstance(sys.exc_info()[1], LockBackendUnavailable):
+                    self._each(scripts.RELEASE, self._script_keys, [token])
+                raise
             if fence is not None:
-                self._each(scripts.RAISE_FENCE, self._fence_key, [fence])
                 self._granted(token, fence, started)
                 return True
             if not blocking or (deadline is not None and time.monotonic() >= deadline):
@@ -247,12 +266,15 @@ class QuorumMutex(Mutex):
             granted, pttl, owner = self._tally(replies, errors, started)
             if len(granted) >= self.quorum and self._valid(attempt_started):
                 fence = max(granted.values())
-                await self._aeach(scripts.RAISE_FENCE, self._fence_key, [fence])
+                _replies, floor_errors = await self._aeach(
+                    scripts.RAISE_FENCE, self._fence_key, [fence]
+                )
+                self._floor_result(token, floor_errors)
                 self._granted(token, fence, started)
                 return True
             self._contention = (pttl, owner, time.monotonic() - started)
-            if granted:
-                await self._aeach(scripts.RELEASE, self._script_keys, [token], only=list(granted))
+            # Undo on every master: one whose reply was lost may have granted it.
+            await self._aeach(scripts.RELEASE, self._script_keys, [token])
             if len(errors) > len(self.aliases) - self.quorum:
                 raise self._unavailable(errors, "acquire")
             if not blocking or (deadline is not None and time.monotonic() >= deadline):
@@ -279,6 +301,7 @@ class QuorumMutex(Mutex):
         hold = self._held_or_raise("release")
         if self._unnest(hold):
             return
+        get_watchdog().unwatch(hold)
         replies, errors = self._each(scripts.RELEASE, self._script_keys, [hold.token])
         self._released(hold, replies, errors)
 
@@ -287,6 +310,7 @@ class QuorumMutex(Mutex):
         hold = self._held_or_raise("release")
         if self._unnest(hold):
             return
+        get_watchdog().unwatch(hold)
         replies, errors = await self._aeach(scripts.RELEASE, self._script_keys, [hold.token])
         self._released(hold, replies, errors)
 

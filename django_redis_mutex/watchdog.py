@@ -81,12 +81,23 @@ class Watchdog:
                     self._cond.wait(self._wake_at - now)
                     continue
                 self._wake_at = now
-            self._renew(due)
+            try:
+                self._renew(due)
+            except Exception:
+                # Nothing may stop the renewer: every other hold of the process
+                # depends on it. The failed round is retried on the next tick.
+                logger.exception("The lock watchdog failed a renewal round; retrying.")
+                retry = time.monotonic() + _IDLE
+                for hold in due:
+                    hold.renew_at = retry
 
     def _renew(self, due: list[Hold]) -> None:
         # Group the renewals by Redis (alias): one pipeline per alias, whatever
         # number of locks (and of quorum members) is due there.
-        by_alias: dict[str, list[tuple[Hold, str]]] = defaultdict(list)
+        by_alias: dict[str, list[tuple[Hold, str, int]]] = defaultdict(list)
+        # The lease each renewal sends: an extend(ttl) racing this round must
+        # not be undone by a renewal to the old length landing after it.
+        sent_ttl = {id(hold): hold.ttl for hold in due}
         now = time.monotonic()
         for hold in due:
             if hold.max_hold is not None and now - hold.acquired_at >= hold.max_hold:
@@ -99,7 +110,7 @@ class Watchdog:
                 )
                 continue
             for alias, lock_key in hold.targets:
-                by_alias[alias].append((hold, lock_key))
+                by_alias[alias].append((hold, lock_key, int(sent_ttl[id(hold)] * 1000)))
         renewed: dict[int, int] = defaultdict(int)
         refused: dict[int, int] = defaultdict(int)
         broken: set[int] = set()
@@ -110,12 +121,12 @@ class Watchdog:
             except ImproperlyConfigured as exc:
                 # The alias is gone or broken (settings changed): nothing to renew with.
                 logger.error("Cannot renew %d lock(s) on %r: %s", len(entries), alias, exc)
-                broken.update(id(hold) for hold, _ in entries)
+                broken.update(id(hold) for hold, _, _ in entries)
                 continue
             except Exception as exc:  # Redis down or slow: try again soon, the lease still runs.
                 logger.warning("Could not renew %d lock(s) on %r: %s", len(entries), alias, exc)
                 continue
-            for (hold, _), result in zip(entries, results, strict=True):
+            for (hold, _, _), result in zip(entries, results, strict=True):
                 if result == 1:
                     renewed[id(hold)] += 1
                 else:
@@ -125,8 +136,12 @@ class Watchdog:
                 continue
             key = id(hold)
             if renewed[key] >= hold.quorum:
-                hold.renew_at = time.monotonic() + hold.ttl / 3
-                hold.expires_at = sent + hold.ttl
+                if hold.ttl != sent_ttl[key]:
+                    # extend() changed the lease meanwhile: renew to it at once.
+                    hold.renew_at = time.monotonic()
+                else:
+                    hold.renew_at = time.monotonic() + hold.ttl / 3
+                    hold.expires_at = sent + hold.ttl
             elif key in broken or refused[key] > len(hold.targets) - hold.quorum:
                 # Too many masters say it is not ours: a quorum can no longer hold it.
                 self._lost(hold)
@@ -134,7 +149,7 @@ class Watchdog:
                 hold.renew_at = time.monotonic() + min(_IDLE, hold.ttl / 10)
 
     @staticmethod
-    def _extend_all(alias: str, entries: list[tuple[Hold, str]]) -> list[Any]:
+    def _extend_all(alias: str, entries: list[tuple[Hold, str, int]]) -> list[Any]:
         from .client import get_client
 
         client = get_client(alias)
@@ -142,13 +157,13 @@ class Watchdog:
             # A cluster client refuses scripts in pipelines; each renewal goes
             # to the node owning that lock's slot.
             return [
-                scripts.run(client, scripts.EXTEND, [lock_key], [hold.token, int(hold.ttl * 1000)])
-                for hold, lock_key in entries
+                scripts.run(client, scripts.EXTEND, [lock_key], [hold.token, ttl_ms])
+                for hold, lock_key, ttl_ms in entries
             ]
         for attempt in (1, 2):
             pipe = client.pipeline(transaction=False)
-            for hold, lock_key in entries:
-                pipe.evalsha(scripts.EXTEND.sha, 1, lock_key, hold.token, int(hold.ttl * 1000))
+            for hold, lock_key, ttl_ms in entries:
+                pipe.evalsha(scripts.EXTEND.sha, 1, lock_key, hold.token, ttl_ms)
             try:
                 return list(pipe.execute())
             except NoScriptError:
@@ -158,10 +173,14 @@ class Watchdog:
         raise AssertionError("unreachable")
 
     def _lost(self, hold: Hold) -> None:
-        self.unwatch(hold)
-        reason = "the watchdog found it held by another owner or gone"
-        if not hold.active or not hold.mark_lost(reason):
-            return
+        with self._cond:
+            # A release unwatches before it asks Redis: a hold no longer watched
+            # was released (or is being released), not lost.
+            if self._holds.pop(id(hold), None) is None:
+                return
+            reason = "the watchdog found it held by another owner or gone"
+            if not hold.active or not hold.mark_lost(reason):
+                return
         held = time.monotonic() - hold.acquired_at
         logger.error(
             "Lock %r (fence %s) was lost after %.3fs: it expired, was reset, or was taken.",
@@ -169,7 +188,13 @@ class Watchdog:
             hold.fence,
             held,
         )
-        signals.lock_lost.send(sender=hold.alias, name=hold.name, fence=hold.fence, held=held)
+        # This thread renews every lock of the process: a receiver's error is
+        # logged, never allowed to stop it.
+        for receiver, error in signals.lock_lost.send_robust(
+            sender=hold.alias, name=hold.name, fence=hold.fence, held=held
+        ):
+            if isinstance(error, Exception):
+                logger.error("lock_lost receiver %r failed: %r", receiver, error)
 
 
 watchdog = Watchdog()
@@ -180,9 +205,9 @@ def _after_fork_in_child() -> None:
     # are not ours to renew.
     global watchdog
     watchdog = Watchdog()
-    from .client import clear_clients
+    from .client import reset_after_fork
 
-    clear_clients()
+    reset_after_fork()
 
 
 os.register_at_fork(after_in_child=_after_fork_in_child)
