@@ -164,6 +164,19 @@ class Mutex:
         timeout = self.timeout if timeout is DEFAULT else validate_timeout(timeout)
         return blocking, timeout
 
+    def _begin(
+        self, blocking: bool, timeout: float | None
+    ) -> tuple[bool, float, float | None, str] | None:
+        """Start an acquisition: None if it nests into a hold we already have,
+        else (blocking, start time, deadline, a fresh owner token)."""
+        blocking, timeout = self._wait_params(blocking, timeout)
+        if self._nest():
+            return None
+        started = time.monotonic()
+        deadline = None if timeout is None else started + timeout
+        self._owner_json = None
+        return blocking, started, deadline, secrets.token_hex(16)
+
     def _nest(self) -> bool:
         """Join the current owner's hold on this lock, if reentrancy allows."""
         if self._hold is not None and self._hold.active:
@@ -288,13 +301,10 @@ class Mutex:
         ``timeout=None`` waits forever. Raise LockBackendUnavailable when Redis
         cannot be reached.
         """
-        blocking, timeout = self._wait_params(blocking, timeout)
-        if self._nest():
+        begun = self._begin(blocking, timeout)
+        if begun is None:
             return True
-        started = time.monotonic()
-        deadline = None if timeout is None else started + timeout
-        token = secrets.token_hex(16)
-        self._owner_json = None
+        blocking, started, deadline, token = begun
         client = get_client(self.using)
         with backend_errors(self.name, self.using):
             reply = scripts.run(
@@ -375,13 +385,10 @@ class Mutex:
 
     async def aacquire(self, blocking: bool = DEFAULT, timeout: float | None = DEFAULT) -> bool:
         """Async twin of :meth:`acquire`; never blocks the event loop."""
-        blocking, timeout = self._wait_params(blocking, timeout)
-        if self._nest():
+        begun = self._begin(blocking, timeout)
+        if begun is None:
             return True
-        started = time.monotonic()
-        deadline = None if timeout is None else started + timeout
-        token = secrets.token_hex(16)
-        self._owner_json = None
+        blocking, started, deadline, token = begun
         with backend_errors(self.name, self.using):
             client = await get_async_client(self.using)
             reply = await scripts.arun(

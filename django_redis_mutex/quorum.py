@@ -21,8 +21,6 @@ from __future__ import annotations
 
 import asyncio
 import random
-import secrets
-import sys
 import time
 from collections.abc import Sequence
 from typing import Any
@@ -178,35 +176,27 @@ class QuorumMutex(Mutex):
 
     # -- acquire ----------------------------------------------------------------
 
-    def _outcome(
+    def _judge(
         self,
-        token: str,
         replies: dict[str, Any],
         errors: dict[str, BaseException],
         attempt_started: float,
         started: float,
     ) -> int | None:
-        """Return the fence if a valid majority granted the lock, else None (after undoing)."""
+        """Return the fence if a valid majority granted the lock, else None.
+
+        Pure bookkeeping, no I/O, so the sync and async paths share it; each
+        undoes a failed attempt with its own client.
+        """
         granted, pttl, owner = self._tally(replies, errors, started)
         if len(granted) >= self.quorum and self._valid(attempt_started):
             return max(granted.values())
         self._contention = (pttl, owner, time.monotonic() - started)
-        # Undo on every master: one whose reply was lost may have granted it.
-        self._each(scripts.RELEASE, self._script_keys, [token])
-        if len(errors) > len(self.aliases) - self.quorum:
-            raise self._unavailable(errors, "acquire")
         return None
 
-    def _floor_result(self, token: str, errors: dict[str, BaseException]) -> None:
-        if len(errors) > len(self.aliases) - self.quorum:
-            # Without the floor on a majority, a later majority could hand out
-            # a smaller fence: give the lock back rather than break the order.
-            self._each(scripts.RELEASE, self._script_keys, [token])
-            raise self._unavailable(errors, "record the fence of")
-
-    def _raise_fence_floor(self, token: str, fence: int) -> None:
-        _replies, errors = self._each(scripts.RAISE_FENCE, self._fence_key, [fence])
-        self._floor_result(token, errors)
+    def _too_many_down(self, errors: dict[str, BaseException]) -> bool:
+        """Return True when the masters that failed leave no majority."""
+        return len(errors) > len(self.aliases) - self.quorum
 
     def _retry_delay(self, deadline: float | None) -> float:
         delay = random.uniform(*RETRY_DELAY)
@@ -219,23 +209,32 @@ class QuorumMutex(Mutex):
 
     def acquire(self, blocking: bool = DEFAULT, timeout: float | None = DEFAULT) -> bool:
         """Acquire the lock on a majority of masters; see :meth:`Mutex.acquire`."""
-        blocking, timeout = self._wait_params(blocking, timeout)
-        if self._nest():
+        begun = self._begin(blocking, timeout)
+        if begun is None:
             return True
-        started = time.monotonic()
-        deadline = None if timeout is None else started + timeout
-        token = secrets.token_hex(16)
-        self._owner_json = None
+        blocking, started, deadline, token = begun
+        release_all = (scripts.RELEASE, self._script_keys, [token])
         while True:
             attempt_started = time.monotonic()
             try:
                 replies, errors = self._attempt(token)
-                fence = self._outcome(token, replies, errors, attempt_started, started)
-                if fence is not None:
-                    self._raise_fence_floor(token, fence)
+                fence = self._judge(replies, errors, attempt_started, started)
+                if fence is None:
+                    # Undo on every master: one whose reply was lost may have granted it.
+                    self._each(*release_all)
+                    if self._too_many_down(errors):
+                        raise self._unavailable(errors, "acquire")
+                else:
+                    _replies, errors = self._each(scripts.RAISE_FENCE, self._fence_key, [fence])
+                    if self._too_many_down(errors):
+                        # Without the floor on a majority, a later majority could
+                        # hand out a smaller fence: give the lock back instead.
+                        self._each(*release_all)
+                        raise self._unavailable(errors, "record the fence of")
+            except LockBackendUnavailable:
+                raise
             except BaseException:
-                if not isinstance(sys.exc_info()[1], LockBackendUnavailable):
-                    self._each(scripts.RELEASE, self._script_keys, [token])
+                self._each(*release_all)
                 raise
             if fence is not None:
                 self._granted(token, fence, started)
@@ -247,36 +246,37 @@ class QuorumMutex(Mutex):
 
     async def aacquire(self, blocking: bool = DEFAULT, timeout: float | None = DEFAULT) -> bool:
         """Async twin of :meth:`acquire`; asks all masters at once."""
-        blocking, timeout = self._wait_params(blocking, timeout)
-        if self._nest():
+        begun = self._begin(blocking, timeout)
+        if begun is None:
             return True
-        started = time.monotonic()
-        deadline = None if timeout is None else started + timeout
-        token = secrets.token_hex(16)
-        self._owner_json = None
+        blocking, started, deadline, token = begun
+        release_all = (scripts.RELEASE, self._script_keys, [token])
         while True:
             attempt_started = time.monotonic()
             try:
                 replies, errors = await self._aeach(
                     scripts.ACQUIRE, self._script_keys, self._acquire_args(token, False)
                 )
-            except BaseException:
-                await asyncio.shield(self._aeach(scripts.RELEASE, self._script_keys, [token]))
+                fence = self._judge(replies, errors, attempt_started, started)
+                if fence is None:
+                    await self._aeach(*release_all)
+                    if self._too_many_down(errors):
+                        raise self._unavailable(errors, "acquire")
+                else:
+                    _replies, errors = await self._aeach(
+                        scripts.RAISE_FENCE, self._fence_key, [fence]
+                    )
+                    if self._too_many_down(errors):
+                        await self._aeach(*release_all)
+                        raise self._unavailable(errors, "record the fence of")
+            except LockBackendUnavailable:
                 raise
-            granted, pttl, owner = self._tally(replies, errors, started)
-            if len(granted) >= self.quorum and self._valid(attempt_started):
-                fence = max(granted.values())
-                _replies, floor_errors = await self._aeach(
-                    scripts.RAISE_FENCE, self._fence_key, [fence]
-                )
-                self._floor_result(token, floor_errors)
+            except BaseException:
+                await asyncio.shield(self._aeach(*release_all))
+                raise
+            if fence is not None:
                 self._granted(token, fence, started)
                 return True
-            self._contention = (pttl, owner, time.monotonic() - started)
-            # Undo on every master: one whose reply was lost may have granted it.
-            await self._aeach(scripts.RELEASE, self._script_keys, [token])
-            if len(errors) > len(self.aliases) - self.quorum:
-                raise self._unavailable(errors, "acquire")
             if not blocking or (deadline is not None and time.monotonic() >= deadline):
                 self._note_contention()
                 return False
