@@ -130,3 +130,34 @@ def wait_until(predicate: Callable[[], object], timeout: float = 5.0) -> bool:
             return False
         time.sleep(0.01)
     return True
+
+
+@pytest.fixture
+def spawn() -> Iterator[Callable[..., Any]]:
+    """Start worker scripts as OS processes; kill whatever is left of them after the test."""
+    from .worker import Worker
+
+    started: list[Worker] = []
+
+    def start(script: str, *args: object) -> Worker:
+        worker = Worker(script, run_worker(script, *map(str, args)))
+        started.append(worker)
+        return worker
+
+    yield start
+    for worker in started:
+        worker.close()
+
+
+def poll_until(check: Callable[[], Any], timeout: float, what: str, interval: float = 0.01) -> Any:
+    """Return the first truthy result of ``check()``; fail naming ``what`` after ``timeout``."""
+    import time
+
+    deadline = time.monotonic() + timeout
+    while True:
+        result = check()
+        if result:
+            return result
+        if time.monotonic() >= deadline:
+            raise AssertionError(f"Timed out after {timeout}s waiting for {what}.")
+        time.sleep(interval)

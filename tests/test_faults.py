@@ -37,7 +37,7 @@ from django.test import override_settings
 from django_redis_mutex import LockBackendUnavailable, Mutex
 from django_redis_mutex.testing import RedisServer
 
-from .conftest import run_worker
+from .conftest import poll_until, run_worker
 from .history import History, Section
 from .proxy import Proxy
 
@@ -358,15 +358,6 @@ def data_key(raw: redis.Redis, mutex_prefix: str) -> Iterator[Callable[[str], st
     stale = list(raw.scan_iter(match=f"{stem}:*"))
     if stale:
         raw.delete(*stale)
-
-
-def poll_until(condition: Callable[[], bool], timeout: float, what: str) -> None:
-    """Return once ``condition()`` is true; fail naming ``what`` after ``timeout`` seconds."""
-    deadline = time.monotonic() + timeout
-    while not condition():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"{what} did not happen within {timeout}s")
-        time.sleep(0.01)
 
 
 def start_together(raw: redis.Redis, barrier: str, workers: list[WorkerRun]) -> None:

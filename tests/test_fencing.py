@@ -35,8 +35,7 @@ from django.db.utils import load_backend
 from django_redis_mutex import LockNotOwned, Mutex, StaleFence, mutex
 from tests.testapp.models import FencedRecord
 
-from .conftest import run_worker
-from .test_processes import Worker
+from .worker import Worker
 
 POSTGRES_URL = os.environ.get(
     "DJANGO_REDIS_MUTEX_TEST_POSTGRES", "postgresql://postgres@127.0.0.1:5432/test"
@@ -348,21 +347,6 @@ def test_save_fenced_of_a_new_instance_over_a_newer_row_raises_stale_inside_a_tr
 
 
 # -- the fault: a holder paused past its lease writes late ------------------------
-
-
-@pytest.fixture
-def spawn() -> Iterator[Callable[..., Worker]]:
-    """Start worker scripts; kill whatever is left of them after the test."""
-    started: list[Worker] = []
-
-    def start(script: str, *args: object) -> Worker:
-        worker = Worker(script, run_worker(script, *map(str, args)))
-        started.append(worker)
-        return worker
-
-    yield start
-    for worker in started:
-        worker.close()
 
 
 @pytest.fixture

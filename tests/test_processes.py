@@ -12,11 +12,8 @@ on a list the test pushes to. Timestamps compared across processes are
 
 from __future__ import annotations
 
-import json
 import os
-import selectors
 import signal
-import subprocess
 import time
 from collections.abc import Callable, Iterator
 from itertools import pairwise
@@ -27,106 +24,11 @@ import redis
 
 from django_redis_mutex import Mutex
 
-from .conftest import run_worker
+from .conftest import poll_until
+from .worker import STEP_TIMEOUT, Worker
 
-# Generous bounds: these tests run on a busy 2-core machine.
+# Generous bound: these tests run on a busy 2-core machine.
 START_TIMEOUT = 30.0
-STEP_TIMEOUT = 30.0
-
-
-class Worker:
-    """A running worker script and the events it has reported so far."""
-
-    def __init__(self, script: str, process: subprocess.Popen[str]) -> None:
-        self.script = script
-        self.process = process
-        self.events: list[dict[str, Any]] = []
-        self._next = 0
-        self._partial = b""
-        self._stderr = b""
-        self._selector = selectors.DefaultSelector()
-        assert process.stdout is not None and process.stderr is not None
-        self._selector.register(process.stdout.fileno(), selectors.EVENT_READ, "out")
-        self._selector.register(process.stderr.fileno(), selectors.EVENT_READ, "err")
-
-    @property
-    def pid(self) -> int:
-        return self.process.pid
-
-    def _describe(self) -> str:
-        stderr = self._stderr.decode("utf-8", "replace").strip()
-        return (
-            f"worker {self.script} (pid {self.pid}, exit {self.process.poll()}); "
-            f"events {self.events}; stderr:\n{stderr or '(empty)'}"
-        )
-
-    def _pump(self, timeout: float) -> bool:
-        """Read what the worker wrote within ``timeout``; return False once both pipes closed."""
-        if not self._selector.get_map():
-            return False
-        for key, _ in self._selector.select(max(timeout, 0.0)):
-            chunk = os.read(key.fd, 65536)
-            if not chunk:
-                self._selector.unregister(key.fd)
-            elif key.data == "err":
-                self._stderr += chunk
-            else:
-                *lines, self._partial = (self._partial + chunk).split(b"\n")
-                for line in lines:
-                    event = json.loads(line)
-                    if event["event"] == "error":
-                        raise AssertionError(f"{event['message']}: {self._describe()}")
-                    self.events.append(event)
-        return True
-
-    def expect(self, event: str, timeout: float = STEP_TIMEOUT) -> dict[str, Any]:
-        """Return the worker's next ``event`` report, waiting up to ``timeout`` seconds."""
-        deadline = time.monotonic() + timeout
-        while True:
-            for index in range(self._next, len(self.events)):
-                if self.events[index]["event"] == event:
-                    self._next = index + 1
-                    return self.events[index]
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
-                raise AssertionError(f"no {event!r} within {timeout}s from {self._describe()}")
-            if not self._pump(remaining):
-                raise AssertionError(f"no {event!r} before the output ended: {self._describe()}")
-
-    def finish(self, timeout: float = STEP_TIMEOUT) -> int:
-        """Read the rest of the output, wait for the exit and return the exit code."""
-        deadline = time.monotonic() + timeout
-        while self._pump(deadline - time.monotonic()):
-            if time.monotonic() > deadline:
-                raise AssertionError(f"output did not end within {timeout}s: {self._describe()}")
-        self.process.wait(max(deadline - time.monotonic(), 0.1))
-        return self.process.returncode
-
-    def close(self) -> None:
-        """Kill the worker if it still runs (resuming it first if stopped) and close its pipes."""
-        if self.process.poll() is None:
-            os.kill(self.pid, signal.SIGCONT)
-            self.process.kill()
-        self.process.wait(10)
-        self._selector.close()
-        assert self.process.stdout is not None and self.process.stderr is not None
-        self.process.stdout.close()
-        self.process.stderr.close()
-
-
-@pytest.fixture
-def spawn() -> Iterator[Callable[..., Worker]]:
-    """Start worker scripts; kill whatever is left of them after the test."""
-    started: list[Worker] = []
-
-    def start(script: str, *args: object) -> Worker:
-        worker = Worker(script, run_worker(script, *map(str, args)))
-        started.append(worker)
-        return worker
-
-    yield start
-    for worker in started:
-        worker.close()
 
 
 @pytest.fixture
@@ -141,15 +43,6 @@ def data_key(raw: redis.Redis, mutex_prefix: str) -> Iterator[Callable[[str], st
     yield key
     if made:
         raw.delete(*made)
-
-
-def poll_until(condition: Callable[[], bool], timeout: float, what: str) -> None:
-    """Return once ``condition()`` is true; fail naming ``what`` after ``timeout`` seconds."""
-    deadline = time.monotonic() + timeout
-    while not condition():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"{what} did not happen within {timeout}s")
-        time.sleep(0.01)
 
 
 def start_together(raw: redis.Redis, barrier: str, workers: list[Worker]) -> None:

@@ -47,7 +47,7 @@ from django_redis_mutex.testing import (
     free_port,
 )
 
-from .conftest import run_worker
+from .conftest import poll_until, run_worker
 from .history import History
 
 __all__ = [
@@ -67,18 +67,6 @@ START_TIMEOUT = 30.0
 FAILOVER_TIMEOUT = 30.0
 # Short socket timeouts: a hung server is reported within seconds, a dead one at once.
 SOCKET_OPTIONS = {"SOCKET_CONNECT_TIMEOUT": 0.5, "SOCKET_TIMEOUT": 2}
-
-
-def poll_until(check: Callable[[], Any], timeout: float, what: str, interval: float = 0.02) -> Any:
-    """Return the first truthy result of ``check()``; fail naming ``what`` after ``timeout``."""
-    deadline = time.monotonic() + timeout
-    while True:
-        result = check()
-        if result:
-            return result
-        if time.monotonic() >= deadline:
-            raise AssertionError(f"Timed out after {timeout}s waiting for {what}.")
-        time.sleep(interval)
 
 
 async def apoll_until(check: Callable[[], Any], timeout: float, what: str) -> Any:
