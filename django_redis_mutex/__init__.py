@@ -14,6 +14,7 @@ from .exceptions import (
 )
 from .introspection import HeldLock, held_locks, reset, reset_all
 from .lock import DEFAULT, Mutex
+from .quorum import QuorumMutex
 
 __version__ = "0.1.0"
 
@@ -27,6 +28,7 @@ __all__ = [
     "LockNotOwned",
     "Mutex",
     "MutexContext",
+    "QuorumMutex",
     "StaleFence",
     "held_locks",
     "mutex",

@@ -1,11 +1,15 @@
-"""System checks: report a bad MUTEX block or a non-Redis lock cache at ``manage.py check``."""
+"""System checks: report a bad MUTEX block, a non-Redis lock cache or a broken QUORUM.
+
+Settings mistakes should surface at ``manage.py check`` (and at server start),
+not at the first lock a request takes.
+"""
 
 from __future__ import annotations
 
 from typing import Any
 
 from django.conf import settings
-from django.core.checks import Error, Tags, register
+from django.core.checks import CheckMessage, Error, Tags, Warning, register
 from django.core.exceptions import ImproperlyConfigured
 
 from .client import backend_kind
@@ -13,10 +17,24 @@ from .conf import parse_settings, validate_prefix
 
 
 @register(Tags.caches)
-def check_mutex_settings(app_configs: Any = None, **kwargs: Any) -> list[Error]:
+def check_mutex_settings(app_configs: Any = None, **kwargs: Any) -> list[CheckMessage]:
     """Validate every CACHES entry that carries a MUTEX block."""
-    errors: list[Error] = []
-    for alias, entry in getattr(settings, "CACHES", {}).items():
+    errors: list[CheckMessage] = []
+    caches = getattr(settings, "CACHES", {})
+    for alias, entry in caches.items():
+        misspelt = [
+            key
+            for key in entry
+            if isinstance(key, str) and key != "MUTEX" and key.upper() == "MUTEX"
+        ]
+        if misspelt:
+            errors.append(
+                Warning(
+                    f"CACHES[{alias!r}] has a {misspelt[0]!r} key, which is ignored.",
+                    hint='Lock settings go in an upper-case "MUTEX" block.',
+                    id="django_redis_mutex.W001",
+                )
+            )
         if "MUTEX" not in entry:
             continue
         if backend_kind(str(entry.get("BACKEND", ""))) is None:
@@ -35,4 +53,22 @@ def check_mutex_settings(app_configs: Any = None, **kwargs: Any) -> list[Error]:
             validate_prefix(alias, config.prefix)
         except ImproperlyConfigured as exc:
             errors.append(Error(str(exc), id="django_redis_mutex.E002"))
+            continue
+        for member in config.quorum or ():
+            member_entry = caches.get(member)
+            if member_entry is None:
+                problem = "is not configured in settings.CACHES"
+            elif backend_kind(str(member_entry.get("BACKEND", ""))) is None:
+                problem = (
+                    f"uses BACKEND {member_entry.get('BACKEND')!r}, which is not a Redis cache"
+                )
+            else:
+                continue
+            errors.append(
+                Error(
+                    f"CACHES[{alias!r}]['MUTEX']['QUORUM'] names {member!r}, which {problem}.",
+                    hint="Every QUORUM member must be a Redis cache alias of its own.",
+                    id="django_redis_mutex.E003",
+                )
+            )
     return errors

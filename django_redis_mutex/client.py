@@ -13,6 +13,8 @@ import weakref
 from typing import TYPE_CHECKING, Any, Literal
 
 from django.core.exceptions import ImproperlyConfigured
+from django.core.signals import setting_changed
+from django.dispatch import receiver
 from redis import exceptions as redis_errors
 
 from .conf import cache_entry, get_settings
@@ -29,7 +31,9 @@ __all__ = [
     "backend_kind",
     "clear_clients",
     "get_async_client",
+    "get_blocking_client",
     "get_client",
+    "get_member_client",
     "lock_aliases",
     "namespace",
 ]
@@ -48,6 +52,7 @@ _async_clients: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, dict[str, A
     weakref.WeakKeyDictionary()
 )
 _namespaces: dict[str, str] = {}
+_derived_clients: dict[tuple[str, str, float | None], Any] = {}
 
 
 def backend_kind(backend: str) -> str | None:
@@ -137,14 +142,14 @@ def _cluster_options(alias: str) -> tuple[str, dict[str, Any]]:
     return location, kwargs
 
 
-def _cluster_client(alias: str) -> Any:
+def _cluster_client(alias: str, **overrides: Any) -> Any:
     # django-redis and Django's backend cannot talk to a Redis Cluster; for a
     # lock alias marked CLUSTER the app asks redis-py's own cluster client,
     # which routes each script by its keys' (shared) hash slot.
     from redis.cluster import RedisCluster
 
     location, kwargs = _cluster_options(alias)
-    return RedisCluster.from_url(location, **kwargs)
+    return RedisCluster.from_url(location, **{**kwargs, **overrides})
 
 
 def get_client(alias: str) -> Any:
@@ -161,6 +166,84 @@ def get_client(alias: str) -> Any:
     with _lock:
         _sync_clients.setdefault(alias, client)
     return _sync_clients[alias]
+
+
+def socket_timeout(client: Any) -> float | None:
+    """Return the read timeout a client uses (a pool's, or a cluster's nodes'), or None."""
+    pool = getattr(client, "connection_pool", None)
+    if pool is not None:
+        value = pool.connection_kwargs.get("socket_timeout")
+    else:
+        nodes = getattr(client, "nodes_manager", None)
+        kwargs = getattr(nodes, "connection_kwargs", None) or getattr(
+            client, "connection_kwargs", {}
+        )
+        value = kwargs.get("socket_timeout")
+    return None if value is None else float(value)
+
+
+def _derive(alias: str, kind: str, timeout: float | None, **overrides: Any) -> Any:
+    """Return a client on ``alias``'s Redis with other socket timeouts, or the alias's own.
+
+    Only plain connection pools can be copied with new timeouts; a Sentinel or
+    Cluster alias keeps its own client (its own timeouts then apply).
+    """
+    key = (alias, kind, timeout)
+    client = _derived_clients.get(key)
+    if client is not None:
+        return client
+    import redis as redis_module
+
+    base = get_client(alias)
+    pool: Any = getattr(base, "connection_pool", None)
+    if get_settings(alias).cluster:
+        client = _cluster_client(alias, **overrides)
+    elif type(pool) not in (redis_module.ConnectionPool, redis_module.BlockingConnectionPool):
+        client = base
+    else:
+        kwargs = {**pool.connection_kwargs, **overrides}
+        new_pool = type(pool)(
+            connection_class=pool.connection_class,
+            max_connections=pool.max_connections,
+            **kwargs,
+        )
+        client = redis_module.Redis(connection_pool=new_pool)
+    with _lock:
+        _derived_clients.setdefault(key, client)
+    return _derived_clients[key]
+
+
+def get_member_client(alias: str, timeout: float | None = None) -> Any:
+    """Return a client for ``alias`` as a quorum master: every request bounded by ``timeout``.
+
+    The Redlock algorithm asks each master with a deadline small against the
+    lease, so one master that hangs (sockets open, no answer) cannot eat the
+    validity of a lock the others granted. ``timeout`` defaults to the alias's
+    ``QUORUM_TIMEOUT``.
+    """
+    if timeout is None:
+        timeout = get_settings(alias).quorum_timeout
+    return _derive(alias, "member", timeout, socket_timeout=timeout, socket_connect_timeout=timeout)
+
+
+# How much longer than the longest blocking wait a blocking connection reads.
+BLOCKING_GRACE = 0.5
+
+
+def blocking_read_timeout(alias: str, longest_wait: float) -> float | None:
+    """Return the read timeout for blocking waits of up to ``longest_wait`` seconds on ``alias``."""
+    base = socket_timeout(get_client(alias))
+    return None if base is None else base + longest_wait + BLOCKING_GRACE
+
+
+def get_blocking_client(alias: str, longest_wait: float) -> Any:
+    """Return a client for ``alias`` whose reads outlast a blocking pop of ``longest_wait`` s.
+
+    A small SOCKET_TIMEOUT (common in production) would otherwise cut every
+    blocking wait short and report Redis as down while it is only quiet.
+    """
+    timeout = blocking_read_timeout(alias, longest_wait)
+    return _derive(alias, "blocking", timeout, socket_timeout=timeout)
 
 
 # Connection settings a user sets (URL, OPTIONS) that mean the same to the
@@ -188,9 +271,13 @@ _SHARED_KWARGS = (
     "ssl_cert_reqs",
     "ssl_ca_certs",
     "ssl_ca_data",
+    "ssl_ca_path",
+    "ssl_password",
     "ssl_check_hostname",
     "ssl_min_version",
     "ssl_ciphers",
+    "ssl_include_verify_flags",
+    "ssl_exclude_verify_flags",
 )
 
 
@@ -237,7 +324,14 @@ def _async_sentinel_pool(pool: Any) -> Any:
     async_manager = sentinel_module.Sentinel(
         sentinels, sentinel_kwargs=manager.sentinel_kwargs, **kwargs
     )
-    return sentinel_module.SentinelConnectionPool(pool.service_name, async_manager, **kwargs)
+    # redis-py turns ``ssl=True`` into its TLS connection class and drops the
+    # flag, so TLS to the master shows only in the sync pool's connection class.
+    from redis.connection import SSLConnection
+
+    pool_kwargs = dict(kwargs)
+    if issubclass(pool.connection_class, SSLConnection):
+        pool_kwargs["ssl"] = True
+    return sentinel_module.SentinelConnectionPool(pool.service_name, async_manager, **pool_kwargs)
 
 
 async def _close_with_loop(clients: dict[str, Any]) -> Any:
@@ -264,11 +358,16 @@ async def _close_with_loop(clients: dict[str, Any]) -> Any:
         clients.clear()
 
 
-async def get_async_client(alias: str) -> Any:
+async def get_async_client(
+    alias: str, *, read_timeout: float | None = None, connect_timeout: float | None = None
+) -> Any:
     """Return a redis.asyncio client for ``alias`` bound to the running event loop.
 
     It shares the cache's connection settings (host, db, password, socket
-    timeouts) but has its own pool, since asyncio connections belong to one loop.
+    timeouts) but has its own pool, since asyncio connections belong to one
+    loop. With ``read_timeout`` (and ``connect_timeout``), another client of
+    that loop uses those timeouts instead: blocking waits longer than the
+    alias's socket timeout, or a quorum master's short deadline.
     """
     import redis.asyncio as aioredis
 
@@ -281,16 +380,29 @@ async def get_async_client(alias: str) -> Any:
         # The loop keeps only a weak reference to its async generators.
         per_loop["__closer__"] = closer
         _async_clients[loop] = per_loop
-    client = per_loop.get(alias)
+    key = alias
+    if read_timeout is not None or connect_timeout is not None:
+        key = f"{alias}\0read={read_timeout}\0connect={connect_timeout}"
+    client = per_loop.get(key)
     if client is None:
         if get_settings(alias).cluster:
             from redis.asyncio.cluster import RedisCluster
 
             location, kwargs = _cluster_options(alias)
+            if read_timeout is not None:
+                kwargs["socket_timeout"] = read_timeout
+            if connect_timeout is not None:
+                kwargs["socket_connect_timeout"] = connect_timeout
             client = RedisCluster.from_url(location, **kwargs)
         else:
-            client = aioredis.Redis(connection_pool=_async_pool_for(get_client(alias)))
-        per_loop[alias] = client
+            pool = _async_pool_for(get_client(alias))
+            if not hasattr(pool, "sentinel_manager"):
+                if read_timeout is not None:
+                    pool.connection_kwargs["socket_timeout"] = read_timeout
+                if connect_timeout is not None:
+                    pool.connection_kwargs["socket_connect_timeout"] = connect_timeout
+            client = aioredis.Redis(connection_pool=pool)
+        per_loop[key] = client
     return client
 
 
@@ -326,6 +438,7 @@ def reset_after_fork() -> None:
     global _lock
     _lock = threading.Lock()
     _sync_clients.clear()
+    _derived_clients.clear()
     _namespaces.clear()
     _async_clients.clear()
 
@@ -334,8 +447,16 @@ def clear_clients() -> None:
     """Forget cached clients and namespaces (after CACHES changed, or in a forked child)."""
     with _lock:
         _sync_clients.clear()
+        _derived_clients.clear()
         _namespaces.clear()
         _async_clients.clear()
+
+
+@receiver(setting_changed)
+def _clear_on_caches_change(*, setting: str, **kwargs: Any) -> None:
+    # Clients and namespaces are built from CACHES (override_settings in tests).
+    if setting == "CACHES":
+        clear_clients()
 
 
 class backend_errors:  # lower case: it replaced a function of that name

@@ -29,6 +29,9 @@ DEFAULTS: dict[str, Any] = {
     "RAISE_ON_LOST": True,
     "MAX_HOLD": None,
     "QUORUM": None,
+    # The deadline of one request to one master of a quorum lock: small
+    # against the TTL, so a master that hangs costs the others nothing.
+    "QUORUM_TIMEOUT": 0.05,
     "CLUSTER": False,
 }
 
@@ -51,6 +54,7 @@ class MutexSettings:
     raise_on_lost: bool
     max_hold: float | None
     quorum: tuple[str, ...] | None = None
+    quorum_timeout: float = 0.05
     cluster: bool = False
 
 
@@ -175,6 +179,7 @@ def parse_settings(alias: str, block: object) -> MutexSettings:
         raise_on_lost=_validate_bool(alias, "RAISE_ON_LOST", merged["RAISE_ON_LOST"]),
         max_hold=None if max_hold is None else _wrap(alias, "MAX_HOLD", validate_ttl, max_hold),
         quorum=_validate_quorum(alias, merged["QUORUM"]),
+        quorum_timeout=_wrap(alias, "QUORUM_TIMEOUT", validate_ttl, merged["QUORUM_TIMEOUT"]),
         cluster=_validate_bool(alias, "CLUSTER", merged["CLUSTER"]),
     )
 
@@ -205,6 +210,3 @@ def get_settings(alias: str) -> MutexSettings:
 def _clear_on_caches_change(*, setting: str, **kwargs: Any) -> None:
     if setting == "CACHES":
         get_settings.cache_clear()
-        from . import client
-
-        client.clear_clients()

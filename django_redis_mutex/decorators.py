@@ -18,7 +18,7 @@ from typing import Any, Literal, TypeVar, cast
 
 from .conf import validate_timeout, validate_ttl
 from .holds import current_owner
-from .keys import validate_name
+from .keys import validate_label, validate_name
 from .lock import DEFAULT, Mutex
 
 __all__ = ["MutexContext", "mutex"]
@@ -79,6 +79,8 @@ class MutexContext:
         self._name = name
         # Fail at decoration time on arguments that can never work; settings
         # are only read when a lock is actually built.
+        if "label" in options:
+            validate_label(options["label"])
         if options.get("ttl", DEFAULT) is not DEFAULT:
             validate_ttl(options["ttl"])
         if options.get("timeout", DEFAULT) is not DEFAULT:
@@ -88,7 +90,8 @@ class MutexContext:
                     "A timeout cannot be given for a non-blocking lock (blocking=False)."
                 )
         self._options = options
-        self._active: dict[object, list[Mutex]] = {}
+        # The handles entered through this object, in order, with their owner.
+        self._active: list[tuple[object, Mutex]] = []
         self._active_lock = threading.Lock()
 
     def __repr__(self) -> str:
@@ -106,16 +109,23 @@ class MutexContext:
 
     def _push(self, lock: Mutex) -> None:
         with self._active_lock:
-            self._active.setdefault(current_owner(), []).append(lock)
+            self._active.append((current_owner(), lock))
 
     def _pop(self) -> Mutex:
+        """Return the handle the block being left entered.
+
+        Normally the latest one its owner entered; an async generator closed
+        by another task leaves its block from there, so with no entry of the
+        current owner the latest entry of all is the one being left.
+        """
         owner = current_owner()
         with self._active_lock:
-            stack = self._active[owner]
-            lock = stack.pop()
-            if not stack:
-                del self._active[owner]
-        return lock
+            for i in range(len(self._active) - 1, -1, -1):
+                if self._active[i][0] == owner:
+                    return self._active.pop(i)[1]
+            if not self._active:
+                raise RuntimeError(f"{self!r} was left more often than it was entered.")
+            return self._active.pop()[1]
 
     def __enter__(self) -> Mutex:
         lock = Mutex(self._literal_name(), **self._options)

@@ -1,16 +1,27 @@
-"""Holds: the local record of a lock this process holds, and who holds it.
+"""Holds: the local record of one acquisition, and the scopes that may nest into it.
 
-A hold is shared by every handle that entered the same lock reentrantly in one
-owner. An owner is an asyncio task when code runs inside one, else a thread,
-and always within one process: a child task or a forked child is a new owner.
-The registry lives in a context variable, never in ``threading.local``, so
-tasks that share a thread never share a hold (and therefore a token).
+A :class:`Hold` is created by one successful acquire and describes that
+acquisition only: its token, its fence, where it lives (one Redis, or the
+masters of a quorum) and, per place, until when Redis is known to keep it. That
+bound is counted from the moment the command that granted or renewed it was
+*sent*, never from when its reply was read, so the holder's idea of its lease
+never outlasts the key in Redis.
+
+Reentrancy never outlives the block or call that created it. A hold is nested
+into either through the handle that acquired it, or, by another handle, only
+inside the dynamic extent of a ``with`` block (or decorated call) of the same
+owner: the block opens a :class:`Scope` in a context variable on enter and
+closes it on exit. A lock taken with plain ``acquire()`` opens no scope, so a
+thread that handed such a lock away can never nest into it later. An owner is
+an asyncio task when code runs inside one, else a thread, and always within one
+process: a child task or a forked child is a new owner.
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
+import math
 import os
 import socket
 import threading
@@ -24,11 +35,14 @@ from .keys import LockKeys
 
 __all__ = [
     "Hold",
-    "current_hold",
+    "Scope",
+    "close_scope",
     "current_owner",
-    "forget_hold",
+    "decode",
+    "open_scope",
     "owner_metadata",
-    "remember_hold",
+    "parse_owner",
+    "scoped_hold",
 ]
 
 
@@ -68,37 +82,120 @@ def owner_metadata(label: str | None) -> str:
     return _owner_json(os.getpid(), where, label)
 
 
-@dataclass(eq=False)
+@dataclass(slots=True)
+class Lease:
+    """What one Redis (a quorum member, or the only one) confirmed about our key."""
+
+    sent: float  # monotonic time the confirming command was sent
+    ttl: float  # the lease it set, in seconds
+    # Set when extend() changed the lease while a renewal to the old one was
+    # in flight: renew to the new length at once.
+    renew_now: bool = False
+
+    @property
+    def ends(self) -> float:
+        """The monotonic time by which Redis lets the key expire, at the latest."""
+        return self.sent + self.ttl
+
+
+@dataclass(eq=False, slots=True)
 class Hold:
-    """One acquisition of a lock, shared by the handles nested inside it."""
+    """One acquisition of a lock, shared by the levels and handles nested inside it."""
 
     alias: str
     name: str
     keys: LockKeys
     token: str
     fence: int
-    ttl: float
+    ttl: float  # the lease renewals ask for
     owner: object
+    # Where the lock lives: (alias, lock key) per Redis, and how many must agree.
+    targets: tuple[tuple[str, str], ...] = ()
+    quorum: int = 1
+    # Subtracted from the confirmed leases: Redlock's allowance for clock drift.
+    drift: float = 0.0
     acquired_at: float = field(default_factory=time.monotonic)
     depth: int = 1
     active: bool = True
+    # A release was sent but its answer never came: never nest into it again.
+    releasing: bool = False
     lost: bool = False
     lost_reason: str = ""
-    # When the lease runs out by this process's clock, unless renewed or
-    # extended; a hold past it is never re-entered (Redis may have let it go).
-    expires_at: float = float("inf")
-    # Where the lock lives: (alias, lock key) per Redis master, and how many of
-    # them must agree (1 for a single Redis, a majority for a quorum lock).
-    targets: tuple[tuple[str, str], ...] = ()
-    quorum: int = 1
-    # Watchdog bookkeeping.
-    renew_at: float = 0.0
+    leases: dict[str, Lease] = field(default_factory=dict)
+    refused: set[str] = field(default_factory=set)
+    # After a failed renewal: when to ask that place again.
+    retry_at: dict[str, float] = field(default_factory=dict)
     max_hold: float | None = None
     raise_on_lost: bool = True
+    # When the lease runs out by this process's clock unless renewed: the
+    # quorum-th latest confirmed end, minus drift.
+    expires_at: float = -math.inf
 
     def __post_init__(self) -> None:
         if not self.targets:
             self.targets = ((self.alias, self.keys.lock),)
+
+    @property
+    def strict(self) -> bool:
+        """True when a lapsed local bound means the hold is lost (a quorum lock).
+
+        For a single Redis a late renewal that still finds our token proves we
+        kept the key all along; across a quorum, masters' clocks drift and a
+        majority may have changed hands in between, so only the bound counts.
+        """
+        return self.quorum > 1
+
+    def confirm(self, alias: str, sent: float, ttl: float) -> None:
+        """Record that ``alias`` set our lease to ``ttl`` by a command sent at ``sent``."""
+        previous = self.leases.get(alias)
+        if previous is None or sent >= previous.sent:
+            # The command sent last set the expiry Redis keeps.
+            self.leases[alias] = Lease(sent, ttl)
+        self.refused.discard(alias)
+        self.retry_at.pop(alias, None)
+        self._recompute()
+
+    def refuse(self, alias: str) -> None:
+        """Record that ``alias`` answered that the key is not ours."""
+        self.leases.pop(alias, None)
+        self.refused.add(alias)
+        self._recompute()
+
+    def failed(self, alias: str, retry_at: float) -> None:
+        """Record that ``alias`` could not be asked; its last confirmation still bounds us."""
+        self.retry_at[alias] = retry_at
+
+    def _recompute(self) -> None:
+        if self.quorum == 1 and len(self.leases) == 1:
+            (lease,) = self.leases.values()  # one Redis: the common case
+            self.expires_at = lease.ends - self.drift
+            return
+        ends = sorted((lease.ends for lease in self.leases.values()), reverse=True)
+        if len(ends) < self.quorum:
+            self.expires_at = -math.inf
+        else:
+            self.expires_at = ends[self.quorum - 1] - self.drift
+
+    @property
+    def doomed(self) -> bool:
+        """True when too many places said the key is not ours for a majority to remain."""
+        return len(self.refused) > len(self.targets) - self.quorum
+
+    def valid(self, now: float | None = None) -> bool:
+        """Return True while the local bound of the lease has not run out."""
+        return (time.monotonic() if now is None else now) < self.expires_at
+
+    def next_renewal(self, alias: str) -> float:
+        """Return when the watchdog should renew the key on ``alias``: a third into its lease."""
+        if alias in self.refused:
+            return math.inf  # not ours there: nothing to renew
+        lease = self.leases.get(alias)
+        due = 0.0
+        if lease is not None and not lease.renew_now:
+            # A lease shorter than the one renewals ask for (a hand-over) is
+            # lengthened a third into itself, like any other.
+            due = lease.sent + min(lease.ttl, self.ttl) / 3
+        return max(due, self.retry_at.get(alias, 0.0))
 
     def mark_lost(self, reason: str) -> bool:
         """Record that the lock is no longer ours; return True the first time."""
@@ -109,39 +206,57 @@ class Hold:
         return True
 
 
-_holds: ContextVar[dict[tuple[str, str], Hold] | None] = ContextVar(
-    "django_redis_mutex_holds", default=None
-)
+@dataclass(eq=False, slots=True)
+class Scope:
+    """The dynamic extent of one ``with`` block (or decorated call) over a hold."""
+
+    hold: Hold
+    owner: object
+    open: bool = True
 
 
-def current_hold(alias: str, lock_key: str) -> Hold | None:
-    """Return the live hold the current owner has on a lock, if any."""
-    holds = _holds.get()
-    if not holds:
+_scopes: ContextVar[tuple[Scope, ...]] = ContextVar("django_redis_mutex_scopes", default=())
+
+
+def open_scope(hold: Hold) -> Scope:
+    """Let nested acquisitions of the current owner join ``hold`` until the scope closes."""
+    scope = Scope(hold, current_owner())
+    # Carry only open scopes: a block left in another context (a generator
+    # closed by another task) could not drop its entry from this one.
+    _scopes.set((*(s for s in _scopes.get() if s.open), scope))
+    return scope
+
+
+def close_scope(scope: Scope) -> None:
+    """End ``scope``: from now on nothing nests into its hold through it."""
+    scope.open = False
+    current = _scopes.get()
+    if scope in current:
+        _scopes.set(tuple(s for s in current if s.open))
+
+
+def scoped_hold(targets: tuple[tuple[str, str], ...]) -> Hold | None:
+    """Return the live hold on ``targets`` of an open scope of the current owner, if any."""
+    scopes = _scopes.get()
+    if not scopes:
         return None
-    hold = holds.get((alias, lock_key))
-    if hold is None or not hold.active or hold.owner != current_owner():
+    owner = current_owner()
+    for scope in reversed(scopes):
+        hold = scope.hold
+        if scope.open and hold.active and hold.targets == targets and scope.owner == owner:
+            return hold
+    return None
+
+
+def parse_owner(raw: Any) -> dict[str, Any] | None:
+    """Return an owner record read from Redis as a dict, or None if absent or unreadable."""
+    if raw is None:
         return None
-    return hold
-
-
-def remember_hold(hold: Hold) -> None:
-    """Make ``hold`` visible to nested acquisitions by the same owner."""
-    # Copy only live holds: a release that ran in another task (a shielded
-    # arelease) could not drop its entry from this context.
-    holds = {key: held for key, held in (_holds.get() or {}).items() if held.active}
-    holds[(hold.alias, hold.keys.lock)] = hold
-    _holds.set(holds)
-
-
-def forget_hold(hold: Hold) -> None:
-    """Mark ``hold`` as over and drop it from the current context if it is there."""
-    hold.active = False
-    holds = _holds.get()
-    if holds and holds.get((hold.alias, hold.keys.lock)) is hold:
-        holds = dict(holds)
-        del holds[(hold.alias, hold.keys.lock)]
-        _holds.set(holds)
+    try:
+        value = json.loads(decode(raw))
+    except ValueError:
+        return None
+    return value if isinstance(value, dict) else None
 
 
 def decode(value: Any) -> str:

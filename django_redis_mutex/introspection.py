@@ -1,32 +1,55 @@
-"""Look at and force-release the locks held in one cache alias.
+"""Look at and force-release the locks held in one cache alias, or in a quorum of them.
 
 Shared by the ``locks`` management command and the admin inspector. Keys are
 walked with SCAN on an escaped pattern within this app's namespace, in batches,
 never with KEYS, and only this app's lock keys are ever deleted.
+
+``using`` is a cache alias, as for :class:`~django_redis_mutex.Mutex`, or a
+quorum: an alias whose ``MUTEX`` block names a ``QUORUM``, or a list of
+aliases. A quorum lock lives on every master under that master's own
+namespace, and its holder's watchdog keeps renewing it as long as a majority
+still has its token, so a quorum lock is only ever reset on all of its masters
+at once: clearing one of them would report "released" while the lock stays
+held. For the same reason a plain alias that is a member of a configured
+``QUORUM`` is refused for resets (see :func:`ensure_resettable`).
 """
 
 from __future__ import annotations
 
 import json
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import asdict, dataclass
 from datetime import datetime, timezone
 from typing import Any
 
+from redis.exceptions import ResponseError
+
 from . import scripts
-from .client import backend_errors, get_client, namespace
+from .client import UNAVAILABLE, backend_errors, get_client, namespace
+from .conf import get_settings, validate_aliases
+from .exceptions import LockBackendUnavailable
 from .holds import decode
 from .keys import LockKeys, lock_pattern, validate_name
 
-__all__ = ["HeldLock", "held_locks", "reset", "reset_all"]
+__all__ = ["HeldLock", "ensure_resettable", "held_locks", "quorum_members", "reset", "reset_all"]
 
 SCAN_BATCH = 500
+
+# What makes one master of a quorum fail without failing the others: it cannot
+# be reached, or it answers with an error (ACLs, a foreign value at a lock key).
+_MEMBER_FAILURES = (*UNAVAILABLE, ResponseError)
 
 
 @dataclass(frozen=True)
 class HeldLock:
-    """One lock held right now, as read from Redis."""
+    """One lock held right now, as read from Redis.
+
+    For a quorum lock the fields come from the masters that hold the majority
+    token: ``fence`` is the largest fence among them (the fence the holder
+    got), ``ttl`` the time until fewer than a majority still hold the lease,
+    and ``masters`` how many masters hold it (1 for a single Redis).
+    """
 
     name: str
     owner: dict[str, Any]
@@ -34,6 +57,7 @@ class HeldLock:
     ttl: float
     fence: int
     waiters: int
+    masters: int = 1
 
     @property
     def held_for(self) -> float:
@@ -45,6 +69,108 @@ class HeldLock:
         data = asdict(self)
         data["acquired_at"] = self.acquired_at.isoformat()
         return data
+
+
+# -- which Redis a ``using`` means ------------------------------------------------
+
+
+def _resolve(using: object) -> tuple[str, tuple[str, ...] | None]:
+    """Return (the one alias, None) for a single Redis, or (a label, the members) for a quorum.
+
+    Follows :class:`~django_redis_mutex.Mutex`: a list of two or more aliases,
+    or an alias whose MUTEX block names a QUORUM, is a quorum; a list of one
+    alias is that alias.
+    """
+    if isinstance(using, (list, tuple)):
+        aliases = validate_aliases(using)
+        if len(aliases) == 1:
+            return aliases[0], None
+        return ", ".join(aliases), aliases
+    if not isinstance(using, str):
+        raise TypeError(
+            f"using must be a cache alias or a list of them, not {type(using).__name__}."
+        )
+    return using, get_settings(using).quorum
+
+
+def quorum_members(using: str | Sequence[str]) -> tuple[str, ...] | None:
+    """Return the master aliases of ``using`` when it is a quorum, else None (one Redis)."""
+    return _resolve(using)[1]
+
+
+def _quorums_with_member(alias: str) -> dict[str, list[str]]:
+    """Return the aliases whose MUTEX QUORUM lists ``alias``, with their members.
+
+    Reads settings.CACHES as written, so a broken MUTEX block of some unrelated
+    alias cannot make a reset fail (the system checks report it).
+    """
+    from django.conf import settings
+
+    found: dict[str, list[str]] = {}
+    for other, entry in getattr(settings, "CACHES", {}).items():
+        block = entry.get("MUTEX") if isinstance(entry, dict) else None
+        members = block.get("QUORUM") if isinstance(block, dict) else None
+        if other != alias and isinstance(members, (list, tuple)) and alias in members:
+            found[other] = [str(member) for member in members]
+    return found
+
+
+def ensure_resettable(using: str | Sequence[str]) -> None:
+    """Raise ValueError when a reset through ``using`` could release a quorum lock on one master.
+
+    The rule: a plain alias (one without a QUORUM of its own) that is listed in
+    the ``QUORUM`` of any alias in settings.CACHES is refused. A reset there
+    would clear a quorum lock on that master only, while the holder's watchdog
+    keeps it alive on the others. Resetting through the quorum alias (or a list
+    of every master) instead runs the reset on every master, in each master's
+    own namespace, so it also clears a plain lock of that name on the member.
+    Quorums built only in code (``using=[...]`` lists) are not in settings and
+    cannot be detected: reset those with the same list.
+    """
+    alias, members = _resolve(using)
+    if members is not None:
+        return
+    quorums = _quorums_with_member(alias)
+    if not quorums:
+        return
+    names = ", ".join(map(repr, quorums))
+    first, listed = next(iter(quorums.items()))
+    raise ValueError(
+        f"Cache alias {alias!r} is a member of quorum {names}; reset the lock through "
+        f"{first!r} (or pass using={listed!r}) so it is released on every master, "
+        "not on this one only."
+    )
+
+
+def _unreachable(
+    what: str,
+    label: str,
+    members: tuple[str, ...],
+    errors: dict[str, BaseException],
+    why: str,
+    name: str = "*",
+) -> LockBackendUnavailable:
+    """Return the error of a quorum operation that too many masters did not answer."""
+    detail = "; ".join(f"{alias}: {exc}" for alias, exc in errors.items())
+    return LockBackendUnavailable(
+        f"Cannot {what} on quorum {label!r}: {len(errors)} of {len(members)} Redis masters "
+        f"could not be reached ({detail}); {why}",
+        name=name,
+    )
+
+
+# Why a reset that missed a majority is an error, not a success.
+_MAY_STILL_HOLD = (
+    "together they are a majority, so the lock may still be held there. "
+    "Nothing was reported as released; reset again once they are back."
+)
+
+
+def _quorum(members: tuple[str, ...]) -> int:
+    return len(members) // 2 + 1
+
+
+# -- reading ---------------------------------------------------------------------
 
 
 def _lock_keys(client: Any, alias: str) -> Iterator[list[str]]:
@@ -61,7 +187,8 @@ def _lock_keys(client: Any, alias: str) -> Iterator[list[str]]:
         yield batch
 
 
-def _parse(fields: list[Any], pttl: int, waiters: int) -> HeldLock | None:
+def _parse(fields: list[Any], pttl: int, waiters: int) -> tuple[str, HeldLock] | None:
+    """Return (token, lock) read from one lock hash, or None if it is gone."""
     token, fence, owner, acquired, name = (decode(v) for v in fields)
     if not token or pttl == -2:
         return None  # released between SCAN and read
@@ -70,7 +197,7 @@ def _parse(fields: list[Any], pttl: int, waiters: int) -> HeldLock | None:
     except ValueError:
         owner_data = {}
     ms = int(acquired) if acquired.isdigit() else 0
-    return HeldLock(
+    return token, HeldLock(
         name=name,
         owner={k: owner_data.get(k) for k in ("host", "pid", "thread", "label")},
         acquired_at=datetime.fromtimestamp(ms / 1000, tz=timezone.utc),
@@ -80,46 +207,184 @@ def _parse(fields: list[Any], pttl: int, waiters: int) -> HeldLock | None:
     )
 
 
-def held_locks(using: str = "default") -> list[HeldLock]:
-    """Return the locks held right now in cache ``using``, sorted by name."""
-    client = get_client(using)
-    found: list[HeldLock] = []
-    with backend_errors("*", using):
-        for batch in _lock_keys(client, using):
-            pipe = client.pipeline(transaction=False)
-            for key in batch:
-                keys = LockKeys.for_lock_key(key)
-                pipe.hmget(key, ["token", "fence", "owner", "acquired", "name"])
-                pipe.pttl(key)
-                pipe.zcard(keys.queue)
-            replies = pipe.execute()
-            for i in range(0, len(replies), 3):
-                held = _parse(replies[i], replies[i + 1], replies[i + 2])
-                if held is not None:
-                    found.append(held)
+def _read(client: Any, alias: str) -> Iterator[tuple[str, str, HeldLock]]:
+    """Yield (hash tag, token, lock) for every lock held in ``alias``'s namespace.
+
+    The hash tag (``{<escaped name>}``, the key without the namespace) names
+    the lock the same way on every master, whatever each master's namespace.
+    """
+    skip = len(namespace(alias)) + 1
+    for batch in _lock_keys(client, alias):
+        pipe = client.pipeline(transaction=False)
+        for key in batch:
+            keys = LockKeys.for_lock_key(key)
+            pipe.hmget(key, ["token", "fence", "owner", "acquired", "name"])
+            pipe.pttl(key)
+            pipe.zcard(keys.queue)
+        replies = pipe.execute()
+        for index, key in enumerate(batch):
+            i = 3 * index
+            parsed = _parse(replies[i], replies[i + 1], replies[i + 2])
+            if parsed is not None:
+                yield key[skip:], parsed[0], parsed[1]
+
+
+def _merge(copies: list[HeldLock], quorum: int) -> HeldLock:
+    """Return one quorum lock from its copies on the masters holding the majority token."""
+    ttls = sorted((copy.ttl for copy in copies), reverse=True)
+    return HeldLock(
+        name=copies[0].name,
+        owner=copies[0].owner,
+        acquired_at=min(copy.acquired_at for copy in copies),
+        ttl=ttls[quorum - 1],
+        fence=max(copy.fence for copy in copies),
+        waiters=max(copy.waiters for copy in copies),
+        masters=len(copies),
+    )
+
+
+def _held_on_quorum(label: str, members: tuple[str, ...]) -> list[HeldLock]:
+    quorum = _quorum(members)
+    clients = {alias: get_client(alias) for alias in members}
+    for alias in members:
+        namespace(alias)  # a misconfigured member fails before any read
+    by_tag: dict[str, dict[str, list[HeldLock]]] = {}
+    errors: dict[str, BaseException] = {}
+    for alias in members:
+        try:
+            rows = list(_read(clients[alias], alias))
+        except _MEMBER_FAILURES as exc:
+            errors[alias] = exc
+            continue
+        for tag, token, held in rows:
+            by_tag.setdefault(tag, {}).setdefault(token, []).append(held)
+    if len(members) - len(errors) < quorum:
+        # Too few masters answered for any lock to show a majority.
+        raise _unreachable(
+            "list the locks",
+            label,
+            members,
+            errors,
+            "too few answered to tell which locks a majority holds.",
+        )
+    found = [
+        _merge(copies, quorum)
+        for tokens in by_tag.values()
+        for copies in tokens.values()
+        if len(copies) >= quorum
+    ]
     found.sort(key=lambda h: h.name)
     return found
 
 
-def reset(name: str, using: str = "default") -> bool:
+def held_locks(using: str | Sequence[str] = "default") -> list[HeldLock]:
+    """Return the locks held right now in cache ``using``, sorted by name.
+
+    For a quorum, a lock is listed once when one token is held on a majority
+    of the masters (a lock whose majority includes an unreachable master is
+    not listed); with too few masters reachable to see a majority, raise
+    LockBackendUnavailable naming them.
+    """
+    alias, members = _resolve(using)
+    if members is not None:
+        return _held_on_quorum(alias, members)
+    client = get_client(alias)
+    with backend_errors("*", alias):
+        found = [held for _tag, _token, held in _read(client, alias)]
+    found.sort(key=lambda h: h.name)
+    return found
+
+
+# -- resetting ---------------------------------------------------------------------
+
+
+def _reset_on_members(
+    members: tuple[str, ...], keys_of: dict[str, LockKeys], errors: dict[str, BaseException]
+) -> bool:
+    """Run RESET on every member not failed yet; return True if any of them had the lock."""
+    held = False
+    for alias in members:
+        if alias in errors:
+            continue
+        try:
+            done = scripts.run(get_client(alias), scripts.RESET, keys_of[alias].script_keys, [])
+        except _MEMBER_FAILURES as exc:
+            errors[alias] = exc
+            continue
+        held = bool(done) or held
+    return held
+
+
+def reset(name: str, using: str | Sequence[str] = "default") -> bool:
     """Force-release lock ``name`` whoever holds it; return True if it was held.
 
     The first waiter, if any, is handed the lock and woken, as on a release.
     The holder learns of the loss when it next renews or leaves its block.
+
+    For a quorum (an alias with a ``QUORUM``, or a list of aliases) the reset
+    runs on every master, each in its own namespace, and returns True if any
+    master had the lock: something was removed, even if it was only a
+    minority's stale copy. Masters that cannot be reached are reported: when
+    they are enough to make a majority (so the lock may still be held there)
+    LockBackendUnavailable names them, after the reachable masters were reset;
+    fewer than that cannot hold a majority, so the reset counts as done.
+
+    A plain alias that is a member of a configured quorum raises ValueError
+    instead of clearing one master only (see :func:`ensure_resettable`).
     """
     validate_name(name)
-    keys = LockKeys.for_name(namespace(using), name)
-    with backend_errors(name, using):
-        done = scripts.run(get_client(using), scripts.RESET, keys.script_keys, [])
-    return bool(done)
+    alias, members = _resolve(using)
+    if members is None:
+        ensure_resettable(alias)
+        keys = LockKeys.for_name(namespace(alias), name)
+        with backend_errors(name, alias):
+            done = scripts.run(get_client(alias), scripts.RESET, keys.script_keys, [])
+        return bool(done)
+    keys_of = {member: LockKeys.for_name(namespace(member), name) for member in members}
+    errors: dict[str, BaseException] = {}
+    held = _reset_on_members(members, keys_of, errors)
+    if len(errors) >= _quorum(members):
+        raise _unreachable(f"reset lock {name!r}", alias, members, errors, _MAY_STILL_HOLD, name)
+    return held
 
 
-def reset_all(using: str = "default") -> int:
-    """Force-release every lock of this app in cache ``using``; return how many were held."""
-    client = get_client(using)
+def _reset_all_on_quorum(label: str, members: tuple[str, ...]) -> int:
+    spaces = {alias: namespace(alias) for alias in members}
+    errors: dict[str, BaseException] = {}
+    tags: set[str] = set()
+    for alias in members:
+        skip = len(spaces[alias]) + 1
+        try:
+            for batch in _lock_keys(get_client(alias), alias):
+                tags.update(key[skip:] for key in batch)
+        except _MEMBER_FAILURES as exc:
+            errors[alias] = exc
     count = 0
-    with backend_errors("*", using):
-        for batch in _lock_keys(client, using):
+    for tag in sorted(tags):
+        # The same lock on every master: that master's namespace, the same tag.
+        keys_of = {alias: LockKeys.for_lock_key(f"{spaces[alias]}:{tag}") for alias in members}
+        count += _reset_on_members(members, keys_of, errors)
+    if len(errors) >= _quorum(members):
+        raise _unreachable("reset every lock", label, members, errors, _MAY_STILL_HOLD)
+    return count
+
+
+def reset_all(using: str | Sequence[str] = "default") -> int:
+    """Force-release every lock of this app in cache ``using``; return how many were held.
+
+    For a quorum, every lock name found on any master is reset on every
+    master, and the count is of distinct names some master held. Unreachable
+    masters are handled as by :func:`reset`; a member alias of a configured
+    quorum raises ValueError (see :func:`ensure_resettable`).
+    """
+    alias, members = _resolve(using)
+    if members is not None:
+        return _reset_all_on_quorum(alias, members)
+    ensure_resettable(alias)
+    client = get_client(alias)
+    count = 0
+    with backend_errors("*", alias):
+        for batch in _lock_keys(client, alias):
             for key in batch:
                 keys = LockKeys.for_lock_key(key)
                 count += scripts.run(client, scripts.RESET, keys.script_keys, [])

@@ -1,11 +1,17 @@
 """Mutex: acquire, wait, release, extend and inspect one named lock.
 
-The synchronous methods and their ``a``-prefixed async twins share keys,
-scripts and state, so a sync holder blocks an async contender and vice versa.
-Every Redis operation is one round trip: a Lua script (acquire, release,
-extend, cancel) or a plain command. Waiting is wake-on-release: a waiter
-blocks on its own list until the releasing script hands it the lock, bounded
-by the holder's remaining lease and the caller's deadline, never a fixed sleep.
+Each operation is written once, as a generator of steps (see
+:mod:`django_redis_mutex.driver`) that the sync methods drive with blocking
+calls and their ``a``-prefixed async twins drive on the event loop; a sync
+holder therefore blocks an async contender and vice versa, and both follow the
+same rules. Waiting is wake-on-release: a waiter blocks on its own list until
+the releasing script hands it the lock, bounded by the holder's remaining lease
+and the caller's deadline, never a fixed sleep.
+
+State is kept per acquisition (:class:`~django_redis_mutex.holds.Hold`), never
+in one field of the handle: a handle holds a stack of levels (a nested level
+repeats its hold), so nesting, a handle shared by threads and a hold lost under
+a nested block each keep their own record.
 """
 
 from __future__ import annotations
@@ -14,27 +20,32 @@ import asyncio
 import logging
 import math
 import secrets
+import threading
 import time
 from collections.abc import Sequence
-from typing import Any, Literal
+from dataclasses import dataclass
+from typing import Any, Literal, NamedTuple
 
 from redis import exceptions as redis_errors
 
 from . import scripts, signals
 from .client import backend_errors, get_async_client, get_client, namespace
 from .conf import MutexSettings, get_settings, validate_timeout, validate_ttl
+from .driver import REDIS_TICK, AsyncDriver, Pop, Script, Sleep, Steps, run_steps
 from .exceptions import LockBackendUnavailable, LockContended, LockLost, LockNotOwned
 from .holds import (
     Hold,
-    current_hold,
+    Scope,
+    close_scope,
     current_owner,
     decode,
-    forget_hold,
+    open_scope,
     owner_metadata,
-    remember_hold,
+    parse_owner,
+    scoped_hold,
 )
-from .keys import LockKeys, validate_name
-from .scripts import HANDOFF_LEASE, WAIT_LEASE
+from .keys import LockKeys, validate_label, validate_name
+from .scripts import HANDOFF_LEASE, WAIT_LEASE, lease_ms
 from .watchdog import get_watchdog
 
 __all__ = ["DEFAULT", "Mutex"]
@@ -54,30 +65,46 @@ DEFAULT: Any = _Default()
 # Margin added to a wait capped by the holder's lease, so the waiter wakes just
 # after the key expired rather than just before.
 _EXPIRY_MARGIN = 0.002
-# Redis's default timer tick (hz 10): the resolution of a blocking pop's timeout.
-_REDIS_TICK = 0.1
+# A hand-over whose lease (counted from our last refused check-in) has less
+# than this share left is confirmed with Redis before the caller is told.
+_CONFIRM_SHARE = 0.25
 
 
-def _ms(seconds: float) -> int:
-    return max(1, int(seconds * 1000))
+class Grant(NamedTuple):
+    """What an acquisition got: the fence, and per Redis the lease as (sent, seconds)."""
+
+    fence: int
+    leases: dict[str, tuple[float, float]]
+
+
+@dataclass(eq=False, slots=True)
+class _Block:
+    """One entered ``with`` block of a handle: its owner, hold (None: FAIL_OPEN) and scope."""
+
+    owner: object
+    hold: Hold | None
+    scope: Scope | None
 
 
 class Mutex:
     """A handle on one named distributed lock.
 
-    A handle holds at most one acquisition at a time (nested reentrantly as
-    often as needed); its token lives on the handle, so it can be released
+    A handle holds at most one acquisition per owner at a time, nested as often
+    as needed (reentrant). Its token lives on the handle, so it can be released
     from another thread. Create one handle per critical section, or use
     :func:`django_redis_mutex.mutex`, which does so for you.
     """
+
+    # The quorum variant registers itself here (see quorum.py), so this module
+    # never imports it back.
+    quorum_class: type[Mutex] | None = None
 
     def __new__(cls, name: str, *, using: str | Sequence[str] = "default", **options: Any) -> Mutex:
         # A list of aliases, or an alias whose MUTEX block names a QUORUM, makes
         # a Redlock-style quorum lock with the same interface.
         if cls is Mutex and _wants_quorum(using):
-            from .quorum import QuorumMutex
-
-            return super().__new__(QuorumMutex)
+            assert Mutex.quorum_class is not None  # registered by the package's import
+            return super().__new__(Mutex.quorum_class)
         return super().__new__(cls)
 
     def __init__(
@@ -113,44 +140,182 @@ class Mutex:
             config.watchdog if watchdog is DEFAULT else _flag("watchdog", watchdog)
         )
         self.reentrant: bool = _flag("reentrant", reentrant)
-        if label is not None and not isinstance(label, str):
-            raise TypeError(f"label must be a string or None, not {type(label).__name__}.")
-        self.label = label
+        self.label = validate_label(label)
         self.keys = LockKeys.for_name(namespace(using), self.name)
-        self._hold: Hold | None = None
-        self._depth = 0
+        # One entry per level this handle holds; a nested level repeats its hold.
+        self._levels: list[Hold] = []
+        # One entry per entered with block, so each exit leaves what its enter took.
+        self._blocks: list[_Block] = []
+        self._state = threading.Lock()
         self._contention: tuple[int, Any, float] = (0, None, 0.0)
-        self._failed_open = False
         self._owner_json: str | None = None
 
     def __repr__(self) -> str:
-        state = f"fence={self.fence}" if self._hold is not None else "unlocked"
+        state = f"fence={self.fence}" if self._current() is not None else "unlocked"
         return f"<Mutex {self.name!r} using={self.using!r} {state}>"
 
     # -- state ---------------------------------------------------------------
 
+    def _current(self) -> Hold | None:
+        """Return the hold this handle acts on: the latest of the current owner, else the latest."""
+        levels = self._levels
+        if len(levels) <= 1:
+            return levels[0] if levels else None
+        owner = current_owner()
+        with self._state:
+            for hold in reversed(self._levels):
+                if hold.owner == owner:
+                    return hold
+            return self._levels[-1] if self._levels else None
+
+    @property
+    def _hold(self) -> Hold | None:
+        return self._current()
+
     @property
     def token(self) -> str | None:
         """The random owner token of the current hold, or None."""
-        return self._hold.token if self._hold is not None else None
+        hold = self._current()
+        return hold.token if hold is not None else None
 
     @property
     def fence(self) -> int | None:
         """The fencing token of the current hold: larger than every earlier one of this name."""
-        return self._hold.fence if self._hold is not None else None
+        hold = self._current()
+        return hold.fence if hold is not None else None
 
     @property
     def lost(self) -> bool:
-        """True if the watchdog found that the current hold is no longer ours."""
-        return self._hold is not None and self._hold.lost
+        """True if the current hold is known to be no longer ours."""
+        hold = self._current()
+        return hold is not None and hold.lost
 
     def contended(self) -> LockContended:
         """Return the error describing the last failed acquisition of this handle."""
         pttl, owner, waited = self._contention
         retry_after = max(1, math.ceil(pttl / 1000)) if pttl > 0 else 1
         if not isinstance(owner, dict):
-            owner = _owner_dict(owner) if owner else None
+            owner = parse_owner(owner) if owner else None
         return LockContended(self.name, retry_after=retry_after, owner=owner, waited=waited)
+
+    # -- where the lock lives (a quorum lock overrides these) ----------------
+
+    def _targets(self) -> tuple[tuple[str, str], ...]:
+        """Return (alias, lock key) of every Redis this lock lives on."""
+        return ((self.using, self.keys.lock),)
+
+    def _majority(self) -> tuple[int, float]:
+        """Return how many places must agree, and the clock drift allowance in seconds."""
+        return 1, 0.0
+
+    # -- the steps of each operation (no I/O: see driver.py) -----------------
+
+    def _acquire_args(self, token: str, join: bool) -> list[Any]:
+        if self._owner_json is None:
+            self._owner_json = owner_metadata(self.label)
+        return [token, lease_ms(self.lease), self._owner_json, self.name, 1 if join else 0]
+
+    def _grant(self, fence: Any, sent: float, lease: float) -> Grant:
+        return Grant(int(fence), {self.using: (sent, lease)})
+
+    def _granted_by(self, reply: list[Any], sent: float) -> Grant:
+        # {1, fence}: granted now with our lease; {1, fence, pttl}: handed over
+        # earlier with what is left of a shorter lease.
+        lease = self.lease if len(reply) < 3 else max(int(reply[2]), 1) / 1000
+        return self._grant(reply[1], sent, lease)
+
+    def _acquire_steps(
+        self, token: str, blocking: bool, deadline: float | None, started: float
+    ) -> Steps[Grant | None]:
+        """Acquire: try once; when blocking, queue and wait to be handed the lock."""
+        sent, reply = yield Script(
+            self.using, scripts.ACQUIRE, self.keys.script_keys, self._acquire_args(token, blocking)
+        )
+        if reply[0] == 1:
+            return self._granted_by(reply, sent)
+        self._refused(reply, started)
+        if not blocking:
+            return None
+        return (yield from self._wait_steps(token, deadline, reply, started, sent))
+
+    def _wait_steps(
+        self,
+        token: str,
+        deadline: float | None,
+        reply: list[Any],
+        started: float,
+        refused_sent: float,
+    ) -> Steps[Grant | None]:
+        """Wait in line until handed the lock or the deadline passes.
+
+        ``refused_sent`` is when the last check-in that found the lock not yet
+        ours was sent: a hand-over pushed to our wake-up list happened after
+        it, so its lease is counted from then.
+        """
+        wake_key = self.keys.wake_prefix + token
+        handoff = min(self.lease, HANDOFF_LEASE)
+        # Check in often enough that a hand-over's lease, counted from the last
+        # check-in, is still mostly ahead of us when we are woken.
+        longest = min(WAIT_LEASE / 2, handoff / 2)
+        keys = self.keys.script_keys
+        while True:
+            now = time.monotonic()
+            if deadline is not None and now >= deadline:
+                sent, final = yield Script(self.using, scripts.CANCEL, keys, [token, self.name])
+                # {1, fence, pttl}: it had been handed to us just before.
+                return self._granted_by(final, sent) if final[0] == 1 else None
+            wait, local = _wait_slice(deadline, reply[1], now, longest)
+            if local:
+                yield Sleep(wait)
+            else:
+                popped = yield Pop(self.using, wake_key, wait, longest)
+                if popped:
+                    left = refused_sent + handoff - time.monotonic()
+                    if left > handoff * _CONFIRM_SHARE:
+                        return self._grant(popped[1], refused_sent, handoff)
+                    # Woken late (a paused process or loop): most of the hand-over
+                    # lease may be spent; the check-in below asks Redis.
+            sent, reply = yield Script(
+                self.using, scripts.ACQUIRE, keys, self._acquire_args(token, True)
+            )
+            if reply[0] == 1:
+                return self._granted_by(reply, sent)
+            refused_sent = sent
+            self._refused(reply, started)
+
+    def _abandon_steps(self, token: str) -> Steps[None]:
+        """Leave the queue after an interrupted wait, releasing the lock if it was handed over."""
+        keys = self.keys.script_keys
+        _sent, final = yield Script(self.using, scripts.CANCEL, keys, [token, self.name])
+        if final[0] == 1:
+            yield Script(self.using, scripts.RELEASE, keys, [token])
+
+    def _release_steps(self, hold: Hold) -> Steps[bool]:
+        _sent, released = yield Script(
+            self.using, scripts.RELEASE, self.keys.script_keys, [hold.token]
+        )
+        return bool(released)
+
+    def _extend_steps(self, hold: Hold, ttl: float) -> Steps[bool]:
+        sent, ok = yield Script(
+            self.using, scripts.EXTEND, [self.keys.lock], [hold.token, lease_ms(ttl)]
+        )
+        if ok:
+            hold.confirm(self.using, sent, ttl)
+        else:
+            hold.refuse(self.using)
+        return bool(ok)
+
+    def _confirm_steps(self, hold: Hold) -> Steps[bool]:
+        """Before nesting into a hold whose local bound ran out, make sure it is still ours."""
+        if hold.strict:
+            # A quorum hold's validity is all a holder may count on.
+            _declare_lost(hold, "its validity ran out before a majority of masters renewed it")
+            return False
+        if not (yield from self._extend_steps(hold, hold.ttl)):
+            _declare_lost(hold, "it was no longer held by this owner when nested into")
+            return False
+        return True
 
     # -- acquire -------------------------------------------------------------
 
@@ -164,118 +329,38 @@ class Mutex:
         timeout = self.timeout if timeout is DEFAULT else validate_timeout(timeout)
         return blocking, timeout
 
-    def _begin(
-        self, blocking: bool, timeout: float | None
-    ) -> tuple[bool, float, float | None, str] | None:
-        """Start an acquisition: None if it nests into a hold we already have,
-        else (blocking, start time, deadline, a fresh owner token)."""
-        blocking, timeout = self._wait_params(blocking, timeout)
-        if self._nest():
+    def _nest_candidate(self) -> Hold | None:
+        """Return the hold a new level may join: this owner's on this handle, or an open scope's.
+
+        Reentrancy never outlives the block or call that created it: another
+        handle joins a hold only inside the ``with`` block (or decorated call)
+        of the same owner that holds it.
+        """
+        if not self.reentrant:
             return None
+        hold: Hold | None = None
+        if self._levels:
+            owner = current_owner()
+            with self._state:
+                hold = next((h for h in reversed(self._levels) if h.owner == owner), None)
+        if hold is None:
+            hold = scoped_hold(self._targets())
+        if hold is None or hold.lost or hold.releasing or not hold.active:
+            return None
+        return hold
+
+    def _nest_into(self, hold: Hold) -> None:
+        with self._state:
+            hold.depth += 1
+            self._levels.append(hold)
+
+    def _start(self, timeout: float | None) -> tuple[str, float, float | None]:
         started = time.monotonic()
+        # The owner record is taken in the caller's own thread or task (the
+        # steps of an async acquisition run in a child task).
+        self._owner_json = owner_metadata(self.label)
         deadline = None if timeout is None else started + timeout
-        self._owner_json = None
-        return blocking, started, deadline, secrets.token_hex(16)
-
-    def _nest(self) -> bool:
-        """Join the current owner's hold on this lock, if reentrancy allows."""
-        if self._hold is not None and self._hold.active:
-            # A handle shared by two threads (or copied into a forked child)
-            # nests only for the owner that holds it.
-            if not self.reentrant or self._hold.owner != current_owner():
-                return False
-            hold: Hold | None = self._hold
-        elif self.reentrant:
-            hold = current_hold(self.using, self.keys.lock)
-        else:
-            return False
-        if hold is None or hold.lost or hold.expires_at <= time.monotonic():
-            return False
-        hold.depth += 1
-        self._hold = hold
-        self._depth += 1
-        return True
-
-    def _acquire_args(self, token: str, join: bool) -> list[Any]:
-        # The owner record is taken once per acquire, in the caller's own
-        # thread or task (a wait may run in a child task).
-        if self._owner_json is None:
-            self._owner_json = owner_metadata(self.label)
-        return [token, _ms(self.lease), self._owner_json, self.name, 1 if join else 0]
-
-    def _cancel_args(self, token: str) -> list[Any]:
-        return [token, self.name]
-
-    def _wait_slice(
-        self, deadline: float | None, pttl: int, socket_timeout: Any
-    ) -> tuple[float, bool]:
-        """Return how long to wait now, and whether to sleep locally instead of blocking on Redis.
-
-        The wait ends at the deadline, at the holder's expiry, or at a lease
-        check-in. Redis ends a blocking pop only on its timer tick (every
-        1000/hz ms), so the last tick before a holder's expiry is slept here
-        and the waiter checks in right after the key expired.
-        """
-        wait = WAIT_LEASE / 2
-        if deadline is not None:
-            wait = min(wait, deadline - time.monotonic())
-        local = False
-        if pttl > 0:
-            expiry = pttl / 1000 + _EXPIRY_MARGIN
-            if expiry <= _REDIS_TICK:
-                wait, local = min(wait, expiry), True
-            else:
-                wait = min(wait, expiry - _REDIS_TICK)
-        if socket_timeout:
-            # A blocking pop longer than the socket timeout would be cut as a failure.
-            wait = min(wait, float(socket_timeout) * 0.8)
-        return max(wait, 0.001), local
-
-    def _granted(
-        self, token: str, fence: Any, started: float, lease_left: float | None = None
-    ) -> bool:
-        """Record a new hold; return True if the caller must extend it now.
-
-        ``lease_left`` is set when the lock was handed over with a shorter lease
-        than ours: the watchdog lengthens it soon, or without a watchdog the
-        caller extends it at once.
-        """
-        hold = Hold(
-            alias=self.using,
-            name=self.name,
-            keys=self.keys,
-            token=token,
-            fence=int(fence),
-            ttl=self.lease,
-            owner=current_owner(),
-            max_hold=self.settings.max_hold,
-            raise_on_lost=self.settings.raise_on_lost,
-        )
-        short = lease_left if lease_left is not None and lease_left < self.lease else None
-        hold.expires_at = hold.acquired_at + (self.lease if short is None else short)
-        hold.targets, hold.quorum = self._hold_targets()
-        self._hold = hold
-        self._depth = 1
-        remember_hold(hold)
-        if self.watchdog:
-            get_watchdog().watch(hold, first_renewal=None if short is None else short / 3)
-        if signals.lock_acquired.receivers:
-            try:
-                signals.lock_acquired.send(
-                    sender=self.using,
-                    name=self.name,
-                    fence=hold.fence,
-                    wait=hold.acquired_at - started,
-                )
-            except BaseException:
-                # The caller never gets the lock, so nothing would release it.
-                self._give_back(hold)
-                raise
-        return short is not None and not self.watchdog
-
-    def _hold_targets(self) -> tuple[tuple[tuple[str, str], ...], int]:
-        """Return where a hold of this handle lives, and how many places must agree."""
-        return ((self.using, self.keys.lock),), 1
+        return secrets.token_hex(16), started, deadline
 
     def _refused(self, reply: list[Any], started: float) -> None:
         # The holder's owner record stays raw until an error needs it: a
@@ -283,7 +368,8 @@ class Mutex:
         owner = reply[2] if len(reply) > 2 else None
         self._contention = (int(reply[1]), owner, time.monotonic() - started)
 
-    def _note_contention(self) -> None:
+    def _note_contention(self, started: float) -> None:
+        self._contention = (*self._contention[:2], time.monotonic() - started)
         if signals.lock_contended.receivers:
             error = self.contended()
             signals.lock_contended.send(
@@ -294,6 +380,44 @@ class Mutex:
                 owner=error.owner,
             )
 
+    def _adopt(self, token: str, grant: Grant) -> Hold:
+        """Record a new acquisition as this handle's top level and start renewing it."""
+        quorum, drift = self._majority()
+        hold = Hold(
+            alias=self.using,
+            name=self.name,
+            keys=self.keys,
+            token=token,
+            fence=grant.fence,
+            ttl=self.lease,
+            owner=current_owner(),
+            targets=self._targets(),
+            quorum=quorum,
+            drift=drift,
+            max_hold=self.settings.max_hold,
+            raise_on_lost=self.settings.raise_on_lost,
+        )
+        for alias, (sent, lease) in grant.leases.items():
+            hold.confirm(alias, sent, lease)
+        with self._state:
+            self._levels.append(hold)
+        if self.watchdog:
+            get_watchdog().watch(hold)
+        return hold
+
+    def _announce(self, hold: Hold, started: float) -> None:
+        if signals.lock_acquired.receivers:
+            signals.lock_acquired.send(
+                sender=self.using,
+                name=self.name,
+                fence=hold.fence,
+                wait=time.monotonic() - started,
+            )
+
+    def _short(self, hold: Hold) -> bool:
+        """True when a hand-over's short lease must be lengthened now (no watchdog will)."""
+        return not self.watchdog and any(lease.ttl < self.lease for lease in hold.leases.values())
+
     def acquire(self, blocking: bool = DEFAULT, timeout: float | None = DEFAULT) -> bool:
         """Acquire the lock; return True on success, False if it stayed contended.
 
@@ -301,224 +425,153 @@ class Mutex:
         ``timeout=None`` waits forever. Raise LockBackendUnavailable when Redis
         cannot be reached.
         """
-        begun = self._begin(blocking, timeout)
-        if begun is None:
-            return True
-        blocking, started, deadline, token = begun
-        client = get_client(self.using)
+        return self._acquire(blocking, timeout) is not None
+
+    def _acquire(self, blocking: bool, timeout: float | None) -> Hold | None:
+        blocking, timeout = self._wait_params(blocking, timeout)
+        hold = self._nest_candidate()
+        if hold is not None:
+            with backend_errors(self.name, self.using):
+                if hold.valid() or run_steps(self._confirm_steps(hold)):
+                    self._nest_into(hold)
+                    return hold
+        token, started, deadline = self._start(timeout)
         with backend_errors(self.name, self.using):
-            reply = scripts.run(
-                client, scripts.ACQUIRE, self.keys.script_keys, self._acquire_args(token, blocking)
-            )
-            if reply[0] == 1:
-                granted = (reply[1], None)
-            else:
-                self._refused(reply, started)
-                if not blocking:
-                    self._note_contention()
-                    return False
-                granted = self._wait_or_abandon(client, token, deadline, reply, started)
+            try:
+                grant = run_steps(self._acquire_steps(token, blocking, deadline, started))
+            except (redis_errors.TimeoutError, LockBackendUnavailable):
+                # Redis is not answering: a cancel would wait out another
+                # socket timeout. Our queue slot lapses after WAIT_LEASE.
+                raise
+            except BaseException:
+                self._abandon(token)
+                raise
         # Outside backend_errors: an error of a signal receiver is not Redis's.
-        if granted is None:
-            self._contention = (*self._contention[:2], time.monotonic() - started)
-            self._note_contention()
-            return False
-        if self._granted(token, granted[0], started, lease_left=granted[1]):
-            self.extend()
-        return True
-
-    def _wait_or_abandon(
-        self, client: Any, token: str, deadline: float | None, reply: list[Any], started: float
-    ) -> Any:
-        """Run :meth:`_wait`, leaving the queue cleanly if the wait is interrupted."""
+        if grant is None:
+            self._note_contention(started)
+            return None
+        hold = self._adopt(token, grant)
         try:
-            return self._wait(client, token, deadline, reply, started)
-        except redis_errors.TimeoutError:
-            # Redis is not answering: a cancel would wait out another
-            # socket timeout. Our queue slot lapses after WAIT_LEASE.
-            raise
+            self._announce(hold, started)
         except BaseException:
-            self._abandon(client, token)
+            # The caller never gets the lock, so nothing would release it.
+            self._give_back(hold)
             raise
+        if self._short(hold):
+            self.extend()
+        return hold
 
-    def _wait(
-        self, client: Any, token: str, deadline: float | None, reply: list[Any], started: float
-    ) -> Any:
-        """Block until we hold the lock or the deadline passes.
-
-        Return (fence, seconds of lease it came with, or None for our full
-        lease), or None when the deadline passed without the lock.
-        """
-        wake_key = self.keys.wake_prefix + token
-        socket_timeout = _socket_timeout(client)
-        while True:
-            if deadline is not None and time.monotonic() >= deadline:
-                final = scripts.run(
-                    client, scripts.CANCEL, self.keys.script_keys, self._cancel_args(token)
-                )
-                return (final[1], HANDOFF_LEASE) if final[0] == 1 else None
-            wait, local = self._wait_slice(deadline, reply[1], socket_timeout)
-            if local:
-                time.sleep(wait)
-            elif popped := client.blpop([wake_key], timeout=wait):
-                return popped[1], HANDOFF_LEASE
-            # Woken by our own timer: check in (keeps our place) and retry.
-            reply = scripts.run(
-                client, scripts.ACQUIRE, self.keys.script_keys, self._acquire_args(token, True)
-            )
-            if reply[0] == 1:
-                return reply[1], (int(reply[2]) / 1000 if len(reply) > 2 else None)
-            self._refused(reply, started)
-
-    def _abandon(self, client: Any, token: str) -> None:
-        """Leave the queue after an interrupted wait, releasing the lock if it was handed over."""
+    def _abandon(self, token: str) -> None:
         try:
-            final = scripts.run(
-                client, scripts.CANCEL, self.keys.script_keys, self._cancel_args(token)
-            )
-            if final[0] == 1:
-                scripts.run(
-                    client, scripts.RELEASE, self.keys.script_keys, self._release_args(token)
-                )
+            run_steps(self._abandon_steps(token))
         except Exception as exc:  # the interrupt that brought us here is what propagates
             logger.warning("Could not leave the wait queue of lock %r: %s", self.name, exc)
 
     async def aacquire(self, blocking: bool = DEFAULT, timeout: float | None = DEFAULT) -> bool:
         """Async twin of :meth:`acquire`; never blocks the event loop."""
-        begun = self._begin(blocking, timeout)
-        if begun is None:
-            return True
-        blocking, started, deadline, token = begun
-        with backend_errors(self.name, self.using):
-            client = await get_async_client(self.using)
-            reply = await scripts.arun(
-                client, scripts.ACQUIRE, self.keys.script_keys, self._acquire_args(token, blocking)
-            )
-            if reply[0] == 1:
-                granted = (reply[1], None)
-            else:
-                self._refused(reply, started)
-                if not blocking:
-                    self._note_contention()
-                    return False
-                granted = await self._await_in_child(client, token, deadline, reply, started)
-        if granted is None:
-            self._contention = (*self._contention[:2], time.monotonic() - started)
-            self._note_contention()
-            return False
-        if self._granted(token, granted[0], started, lease_left=granted[1]):
-            await self.aextend()
-        return True
+        return (await self._aacquire(blocking, timeout)) is not None
 
-    async def _await_in_child(
-        self, client: Any, token: str, deadline: float | None, reply: list[Any], started: float
-    ) -> Any:
-        """Run the wait in a child task, so a cancellation of the caller is never lost.
+    async def _aacquire(self, blocking: bool, timeout: float | None) -> Hold | None:
+        blocking, timeout = self._wait_params(blocking, timeout)
+        hold = self._nest_candidate()
+        if hold is not None:
+            with backend_errors(self.name, self.using):
+                if hold.valid() or await AsyncDriver().run(self._confirm_steps(hold)):
+                    self._nest_into(hold)
+                    return hold
+        token, started, deadline = self._start(timeout)
+        with backend_errors(self.name, self.using):
+            grant = await self._acquire_in_child(token, blocking, deadline, started)
+        if grant is None:
+            self._note_contention(started)
+            return None
+        hold = self._adopt(token, grant)
+        try:
+            self._announce(hold, started)
+        except BaseException:
+            await asyncio.shield(self._agive_back(hold))
+            raise
+        if self._short(hold):
+            await self.aextend()
+        return hold
+
+    async def _acquire_in_child(
+        self, token: str, blocking: bool, deadline: float | None, started: float
+    ) -> Grant | None:
+        """Run the acquisition in a child task, so a cancellation of the caller is never lost.
 
         redis-py sends through ``asyncio.wait_for``, which before Python 3.12
         can swallow a cancel() landing just as a send completes; a waiter would
         then sit out its timeout and might take the lock for a task that is
-        gone. Waiting on the child with ``asyncio.wait`` always sees the cancel,
-        and ``stop`` ends the child even if its own cancel was swallowed.
+        gone. Waiting on the child with ``asyncio.wait`` always sees the cancel.
+        A script in flight is let finish, so its reply says whether Redis granted
+        the lock, and the lock is then given back; a blocking wait is cut at once.
         """
-        stop = asyncio.Event()
-        child = asyncio.ensure_future(self._await(client, token, deadline, reply, started, stop))
+        driver = AsyncDriver()
+        child = asyncio.ensure_future(
+            driver.run(self._acquire_steps(token, blocking, deadline, started))
+        )
         try:
             await asyncio.wait({child})
         except BaseException:
-            stop.set()
-            child.cancel()
+            driver.stop = True
+            if not driver.in_script:
+                child.cancel()
             try:
                 await asyncio.shield(asyncio.wait({child}))
             finally:
-                # Even if cancelled again here: leave the queue, and release a
-                # lock that was handed over meanwhile.
                 if child.done() and not child.cancelled():
                     child.exception()  # retrieved, so asyncio does not warn
-                await asyncio.shield(self._aabandon(client, token))
+                await asyncio.shield(self._aabandon(token))
             raise
         try:
             return child.result()
-        except redis_errors.TimeoutError:
-            # Redis is not answering: a cancel would wait out another socket
-            # timeout. Our queue slot lapses after WAIT_LEASE.
+        except (redis_errors.TimeoutError, LockBackendUnavailable):
             raise
         except BaseException:
-            await asyncio.shield(self._aabandon(client, token))
+            await asyncio.shield(self._aabandon(token))
             raise
 
-    async def _await(
-        self,
-        client: Any,
-        token: str,
-        deadline: float | None,
-        reply: list[Any],
-        started: float,
-        stop: asyncio.Event,
-    ) -> Any:
-        wake_key = self.keys.wake_prefix + token
-        socket_timeout = _socket_timeout(client)
-        while True:
-            if stop.is_set():
-                raise asyncio.CancelledError(f"Waiting for lock {self.name!r} was cancelled.")
-            if deadline is not None and time.monotonic() >= deadline:
-                final = await scripts.arun(
-                    client, scripts.CANCEL, self.keys.script_keys, self._cancel_args(token)
-                )
-                return (final[1], HANDOFF_LEASE) if final[0] == 1 else None
-            wait, local = self._wait_slice(deadline, reply[1], socket_timeout)
-            if local:
-                await asyncio.sleep(wait)
-            elif popped := await client.blpop([wake_key], timeout=wait):
-                return popped[1], HANDOFF_LEASE
-            if stop.is_set():
-                raise asyncio.CancelledError(f"Waiting for lock {self.name!r} was cancelled.")
-            reply = await scripts.arun(
-                client, scripts.ACQUIRE, self.keys.script_keys, self._acquire_args(token, True)
-            )
-            if reply[0] == 1:
-                return reply[1], (int(reply[2]) / 1000 if len(reply) > 2 else None)
-            self._refused(reply, started)
-
-    async def _aabandon(self, client: Any, token: str) -> None:
+    async def _aabandon(self, token: str) -> None:
         try:
-            final = await scripts.arun(
-                client, scripts.CANCEL, self.keys.script_keys, self._cancel_args(token)
-            )
-            if final[0] == 1:
-                await scripts.arun(
-                    client, scripts.RELEASE, self.keys.script_keys, self._release_args(token)
-                )
+            await AsyncDriver().run(self._abandon_steps(token))
         except Exception as exc:
             logger.warning("Could not leave the wait queue of lock %r: %s", self.name, exc)
 
     # -- release -------------------------------------------------------------
 
-    def _release_args(self, token: str) -> list[Any]:
-        return [token]
+    def _forget(self, hold: Hold) -> None:
+        """End ``hold`` locally: no renewal, no level of this handle, nothing nests into it."""
+        get_watchdog().unwatch(hold)
+        hold.active = False
+        with self._state:
+            self._levels = [level for level in self._levels if level is not hold]
 
     def _give_back(self, hold: Hold) -> None:
         """Release a hold the caller will never see (best effort; its lease ends anyway)."""
-        get_watchdog().unwatch(hold)
-        forget_hold(hold)
-        self._hold = None
-        self._depth = 0
-        for alias, lock_key in hold.targets:
-            try:
-                scripts.run(get_client(alias), scripts.RELEASE, [lock_key], [hold.token])
-            except Exception as exc:
-                logger.warning("Could not give back lock %r on %r: %s", self.name, alias, exc)
+        self._forget(hold)
+        try:
+            run_steps(self._release_steps(hold))
+        except Exception as exc:
+            logger.warning("Could not give back lock %r: %s", self.name, exc)
 
-    @staticmethod
-    def _release_failed_locally(hold: Hold) -> None:
+    async def _agive_back(self, hold: Hold) -> None:
+        self._forget(hold)
+        try:
+            await AsyncDriver().run(self._release_steps(hold))
+        except Exception as exc:
+            logger.warning("Could not give back lock %r: %s", self.name, exc)
+
+    def _release_failed_locally(self, hold: Hold) -> None:
         # The release may have reached Redis with only its reply lost: stop
-        # renewing, and never let a nested acquire join this hold again
-        # without asking Redis. The token stays, so the release can be retried.
+        # renewing, and never let anything nest into this hold again. The level
+        # stays, so the release can be retried.
         get_watchdog().unwatch(hold)
-        hold.expires_at = -math.inf
+        hold.releasing = True
+        self._nest_into(hold)
 
     def _held_or_raise(self, action: str) -> Hold:
-        hold = self._hold
+        hold = self._current()
         if hold is None or not hold.active:
             raise LockNotOwned(
                 f"Cannot {action} lock {self.name!r}: this handle does not hold it.",
@@ -526,22 +579,19 @@ class Mutex:
             )
         return hold
 
-    def _unnest(self, hold: Hold) -> bool:
-        """Leave one nesting level; return True if an outer level still holds the lock."""
-        if hold.depth > 1:
+    def _drop_level(self, hold: Hold) -> bool:
+        """Leave one level of ``hold``; return True if another level still holds it."""
+        with self._state:
+            for i in range(len(self._levels) - 1, -1, -1):
+                if self._levels[i] is hold:
+                    del self._levels[i]
+                    break
             hold.depth -= 1
-            self._depth -= 1
-            if self._depth == 0:
-                self._hold = None
-            return True
-        return False
+            return hold.depth > 0
 
-    def _finish(self, hold: Hold, released: int) -> None:
-        """Forget the hold after Redis answered the release (``released`` is the script reply)."""
-        get_watchdog().unwatch(hold)
-        forget_hold(hold)
-        self._hold = None
-        self._depth = 0
+    def _finish(self, hold: Hold, released: bool) -> None:
+        """Forget the hold after Redis answered the release."""
+        self._forget(hold)
         held = time.monotonic() - hold.acquired_at
         if released:
             if signals.lock_released.receivers:
@@ -549,9 +599,7 @@ class Mutex:
                     sender=self.using, name=self.name, fence=hold.fence, held=held
                 )
             return
-        first = hold.mark_lost("it was no longer held by this owner at release")
-        if first and signals.lock_lost.receivers:
-            signals.lock_lost.send(sender=self.using, name=self.name, fence=hold.fence, held=held)
+        _declare_lost(hold, "it was no longer held by this owner at release")
         raise LockNotOwned(
             f"Lock {self.name!r} (fence {hold.fence}) was no longer held at release: "
             "it expired, was reset, or was taken by another owner.",
@@ -567,20 +615,17 @@ class Mutex:
         retried; the watchdog stops renewing it, so a release never retried
         ends with the lease instead of being renewed forever.
         """
-        hold = self._held_or_raise("release")
-        if self._unnest(hold):
+        self._release(self._held_or_raise("release"))
+
+    def _release(self, hold: Hold) -> None:
+        if self._drop_level(hold):
             return
         # Stop renewing first: a renewal answered after our release would
         # otherwise report the lock as lost.
         get_watchdog().unwatch(hold)
         try:
             with backend_errors(self.name, self.using):
-                released = scripts.run(
-                    get_client(self.using),
-                    scripts.RELEASE,
-                    self.keys.script_keys,
-                    self._release_args(hold.token),
-                )
+                released = run_steps(self._release_steps(hold))
         except BaseException:
             self._release_failed_locally(hold)
             raise
@@ -588,16 +633,15 @@ class Mutex:
 
     async def arelease(self) -> None:
         """Async twin of :meth:`release`; a cancelled release can be retried too."""
-        hold = self._held_or_raise("release")
-        if self._unnest(hold):
+        await self._arelease(self._held_or_raise("release"))
+
+    async def _arelease(self, hold: Hold) -> None:
+        if self._drop_level(hold):
             return
         get_watchdog().unwatch(hold)
         try:
             with backend_errors(self.name, self.using):
-                client = await get_async_client(self.using)
-                released = await scripts.arun(
-                    client, scripts.RELEASE, self.keys.script_keys, self._release_args(hold.token)
-                )
+                released = await AsyncDriver().run(self._release_steps(hold))
         except BaseException:
             self._release_failed_locally(hold)
             raise
@@ -605,16 +649,15 @@ class Mutex:
 
     # -- extend and inspect --------------------------------------------------
 
-    def _extended(self, hold: Hold, ttl: float, ok: int) -> None:
+    def _extended(self, hold: Hold, ttl: float, ok: bool) -> None:
         if not ok:
-            hold.mark_lost("extend found it held by another owner or gone")
+            _declare_lost(hold, "extend found it held by another owner or gone")
             raise LockNotOwned(
                 f"Cannot extend lock {self.name!r}: it is no longer held by this handle.",
                 name=self.name,
             )
         hold.ttl = ttl
-        hold.renew_at = time.monotonic() + ttl / 3
-        hold.expires_at = time.monotonic() + ttl
+        get_watchdog().poke(hold)
 
     def extend(self, ttl: float | None = None) -> None:
         """Set the remaining lease to ``ttl`` seconds (default: the handle's ttl).
@@ -625,9 +668,7 @@ class Mutex:
         ttl = self.lease if ttl is None else validate_ttl(ttl)
         hold = self._held_or_raise("extend")
         with backend_errors(self.name, self.using):
-            ok = scripts.run(
-                get_client(self.using), scripts.EXTEND, [self.keys.lock], [hold.token, _ms(ttl)]
-            )
+            ok = run_steps(self._extend_steps(hold, ttl))
         self._extended(hold, ttl, ok)
 
     async def aextend(self, ttl: float | None = None) -> None:
@@ -635,23 +676,18 @@ class Mutex:
         ttl = self.lease if ttl is None else validate_ttl(ttl)
         hold = self._held_or_raise("extend")
         with backend_errors(self.name, self.using):
-            ok = await scripts.arun(
-                (await get_async_client(self.using)),
-                scripts.EXTEND,
-                [self.keys.lock],
-                [hold.token, _ms(ttl)],
-            )
+            ok = await AsyncDriver().run(self._extend_steps(hold, ttl))
         self._extended(hold, ttl, ok)
 
     def _state_from(self, token: Any, pttl: int) -> float:
-        hold = self._hold
+        hold = self._current()
         if hold is None or decode(token) != hold.token or pttl < 0:
             return 0.0
         return pttl / 1000
 
     def ttl(self) -> float:
         """Return the seconds left on this handle's hold, or 0.0 if it holds nothing."""
-        if self._hold is None:
+        if self._current() is None:
             return 0.0
         with backend_errors(self.name, self.using):
             pipe = get_client(self.using).pipeline(transaction=False)
@@ -662,7 +698,7 @@ class Mutex:
 
     async def attl(self) -> float:
         """Async twin of :meth:`ttl`."""
-        if self._hold is None:
+        if self._current() is None:
             return 0.0
         with backend_errors(self.name, self.using):
             pipe = (await get_async_client(self.using)).pipeline(transaction=False)
@@ -673,19 +709,21 @@ class Mutex:
 
     def owned(self) -> bool:
         """Return True if this handle holds the lock right now (asks Redis)."""
-        if self._hold is None:
+        hold = self._current()
+        if hold is None:
             return False
         with backend_errors(self.name, self.using):
             token = get_client(self.using).hget(self.keys.lock, "token")
-        return decode(token) == self._hold.token
+        return decode(token) == hold.token
 
     async def aowned(self) -> bool:
         """Async twin of :meth:`owned`."""
-        if self._hold is None:
+        hold = self._current()
+        if hold is None:
             return False
         with backend_errors(self.name, self.using):
             token = await (await get_async_client(self.using)).hget(self.keys.lock, "token")
-        return decode(token) == self._hold.token
+        return decode(token) == hold.token
 
     def locked(self) -> bool:
         """Return True if anyone holds the lock right now."""
@@ -701,56 +739,85 @@ class Mutex:
         """Return the holder's metadata (host, pid, thread, label), or None if free."""
         with backend_errors(self.name, self.using):
             raw = get_client(self.using).hget(self.keys.lock, "owner")
-        return _owner_dict(raw)
+        return parse_owner(raw)
 
     async def aowner(self) -> dict[str, Any] | None:
         """Async twin of :meth:`owner`."""
         with backend_errors(self.name, self.using):
             raw = await (await get_async_client(self.using)).hget(self.keys.lock, "owner")
-        return _owner_dict(raw)
+        return parse_owner(raw)
 
     # -- context manager -----------------------------------------------------
     #
     # ``with`` and ``async with`` raise LockContended when the lock cannot be
     # had, honour FAIL_OPEN, and on the way out raise LockLost only when the
-    # body succeeded: an exception already propagating is never replaced.
+    # body succeeded: an exception already propagating is never replaced. Each
+    # block opens a scope that other handles of the same owner may nest into
+    # until the block ends, and its exit leaves exactly the level it entered.
 
     def _enter_failed_open(self, exc: LockBackendUnavailable) -> None:
         if not self.settings.fail_open:
             raise exc
-        self._failed_open = True
         logger.warning(
             "FAIL_OPEN: running %r unlocked because Redis is unavailable: %s", self.name, exc
         )
+        self._push_block(None)
+
+    def _push_block(self, hold: Hold | None) -> None:
+        scope = open_scope(hold) if hold is not None else None
+        with self._state:
+            self._blocks.append(_Block(current_owner(), hold, scope))
+
+    def _pop_block(self) -> _Block | None:
+        # A block is normally left by the owner that entered it; an async
+        # generator closed by another task leaves it from there.
+        owner = current_owner()
+        with self._state:
+            for i in range(len(self._blocks) - 1, -1, -1):
+                if self._blocks[i].owner == owner:
+                    return self._blocks.pop(i)
+            return self._blocks.pop() if self._blocks else None
 
     def __enter__(self) -> Mutex:
-        self._failed_open = False
         try:
-            acquired = self.acquire()
+            hold = self._acquire(DEFAULT, DEFAULT)
         except LockBackendUnavailable as exc:
             self._enter_failed_open(exc)
             return self
-        if not acquired:
+        if hold is None:
             raise self.contended()
+        self._push_block(hold)
         return self
 
     async def __aenter__(self) -> Mutex:
-        self._failed_open = False
         try:
-            acquired = await self.aacquire()
+            hold = await self._aacquire(DEFAULT, DEFAULT)
         except LockBackendUnavailable as exc:
             self._enter_failed_open(exc)
             return self
-        if not acquired:
+        if hold is None:
             raise self.contended()
+        self._push_block(hold)
         return self
 
+    def _leaving(self) -> Hold | None:
+        """Pop the block being left; return its hold (None if it ran unlocked)."""
+        block = self._pop_block()
+        if block is None or block.hold is None:
+            return None
+        if block.scope is not None:
+            close_scope(block.scope)
+        hold = block.hold
+        if hold.strict and hold.active and not hold.valid():
+            _declare_lost(hold, "its validity ran out before a majority of masters renewed it")
+        return hold
+
     def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> Literal[False]:
-        if self._hold is None:
+        hold = self._leaving()
+        if hold is None:
             return False  # ran unlocked under FAIL_OPEN
-        hold = self._hold
         try:
-            self.release()
+            self._release(hold)
         except LockNotOwned:
             self._lost_on_exit(hold, body_failed=exc_type is not None)
         except LockBackendUnavailable as error:
@@ -761,13 +828,13 @@ class Mutex:
         return False
 
     async def __aexit__(self, exc_type: Any, exc: Any, tb: Any) -> Literal[False]:
-        if self._hold is None:
+        hold = self._leaving()
+        if hold is None:
             return False
-        hold = self._hold
         try:
             # Shielded: a task cancelled while leaving the block still releases
             # its lock (the release finishes in the background).
-            await asyncio.shield(self.arelease())
+            await asyncio.shield(self._arelease(hold))
         except LockNotOwned:
             self._lost_on_exit(hold, body_failed=exc_type is not None)
         except LockBackendUnavailable as error:
@@ -795,26 +862,40 @@ class Mutex:
         raise error
 
 
-def _owner_dict(raw: Any) -> dict[str, Any] | None:
-    if raw is None:
-        return None
-    import json
+def _wait_slice(
+    deadline: float | None, pttl: int, now: float, longest: float
+) -> tuple[float, bool]:
+    """Return how long to wait now, and whether to sleep locally instead of blocking on Redis.
 
-    try:
-        value = json.loads(decode(raw))
-    except ValueError:
-        return None
-    return value if isinstance(value, dict) else None
+    The wait ends at the deadline, at the holder's expiry, or at a check-in.
+    Redis ends a blocking pop only on its timer tick (every 1000/hz ms), so the
+    last tick before a holder's expiry is slept here and the waiter checks in
+    right after the key expired.
+    """
+    wait = longest
+    if deadline is not None:
+        wait = min(wait, deadline - now)
+    local = False
+    if pttl > 0:
+        expiry = pttl / 1000 + _EXPIRY_MARGIN
+        if expiry <= REDIS_TICK:
+            wait, local = min(wait, expiry), True
+        else:
+            wait = min(wait, expiry - REDIS_TICK)
+    return max(wait, 0.001), local
 
 
-def _socket_timeout(client: Any) -> Any:
-    """Return the socket timeout a client reads with (a pool's, or a cluster's nodes')."""
-    pool = getattr(client, "connection_pool", None)
-    if pool is not None:
-        return pool.connection_kwargs.get("socket_timeout")
-    nodes = getattr(client, "nodes_manager", None)
-    kwargs = getattr(nodes, "connection_kwargs", None) or getattr(client, "connection_kwargs", {})
-    return kwargs.get("socket_timeout")
+def _declare_lost(hold: Hold, reason: str) -> None:
+    """Mark ``hold`` lost, stop renewing it and tell ``lock_lost`` receivers (once)."""
+    get_watchdog().unwatch(hold)
+    if not hold.mark_lost(reason) or not signals.lock_lost.receivers:
+        return
+    held = time.monotonic() - hold.acquired_at
+    for receiver, error in signals.lock_lost.send_robust(
+        sender=hold.alias, name=hold.name, fence=hold.fence, held=held
+    ):
+        if isinstance(error, Exception):
+            logger.error("lock_lost receiver %r failed: %r", receiver, error)
 
 
 def _wants_quorum(using: object) -> bool:

@@ -43,6 +43,7 @@ __all__ = [
     "WAIT_LEASE",
     "LuaScript",
     "arun",
+    "lease_ms",
     "run",
 ]
 
@@ -225,8 +226,8 @@ return 1
 
 # CANCEL: a waiter gives up (timeout, interrupt, cancellation).
 # KEYS[1] the lock (the others are derived from it, as above).  ARGV[1] token, ARGV[2] lock name.
-# Returns {1, fence} when the lock had already been handed to the caller (it
-# now holds it and must use or release it), else {0}. If the lock is free and
+# Returns {1, fence, pttl ms} when the lock had already been handed to the
+# caller (it now holds it and must use or release it), else {0}. If the lock is free and
 # others wait, the next one is handed the lock so nobody sleeps on a free lock.
 CANCEL = LuaScript(
     "cancel",
@@ -236,7 +237,7 @@ local token = ARGV[1]
 forget_waiter(token)
 redis.call('DEL', WAKE_PREFIX .. token)
 if redis.call('HGET', KEYS[1], 'token') == token then
-  return {1, redis.call('HGET', KEYS[1], 'fence')}
+  return {1, redis.call('HGET', KEYS[1], 'fence'), redis.call('PTTL', KEYS[1])}
 end
 if redis.call('EXISTS', KEYS[1]) == 0 then hand_off(ARGV[2], now_us()) end
 return {0}
@@ -274,6 +275,11 @@ redis.call('SET', KEYS[1], ARGV[1], 'PX', FENCE_RETENTION)
 return 1
 """,
 )
+
+
+def lease_ms(seconds: float) -> int:
+    """Return a lease in whole milliseconds for a script argument (at least 1)."""
+    return max(1, int(seconds * 1000))
 
 
 def run(client: Any, script: LuaScript, keys: list[str], args: list[Any]) -> Any:

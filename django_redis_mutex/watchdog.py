@@ -1,14 +1,22 @@
-"""One renewer thread per process that keeps held locks alive.
+"""Renewer threads that keep held locks alive, one lane per Redis.
 
-Every hold with the watchdog on is renewed every ttl/3 with a compare-and-
-pexpire script, so a lock is only ever extended by the owner that holds it and
-never re-created. Renewals of all due locks on one alias go in one pipeline.
-When a renewal finds the lock gone, the hold is marked lost (the holder learns
-it when it leaves its block) and the watchdog stops renewing it. ``MAX_HOLD``
-caps how long one hold is renewed, since renewing forever hides a hung holder.
+Every hold with the watchdog on is renewed a third into its lease with a
+compare-and-pexpire script, so a lock is only ever extended by the owner that
+holds it and never re-created. Each cache alias has its own lane (a thread):
+renewals of all due locks on that Redis go in one pipeline, and a Redis that
+hangs stalls only its own lane, never the leases of locks held elsewhere. A
+quorum hold is renewed by the lanes of all its masters; each answer moves that
+master's confirmed lease (counted from when the renewal was sent), and the
+hold stays valid until the quorum-th latest of them, minus clock drift.
 
-The thread serves sync and async holds alike: renewal then does not depend on
-an event loop being free to run it. It is created lazily and re-created in a
+When renewals find the lock gone (on one Redis, or on too many masters for a
+majority), or a quorum hold's validity runs out before a majority renewed it,
+the hold is marked lost (the holder learns it when it leaves its block) and a
+``lock_lost`` signal is sent. ``MAX_HOLD`` caps how long one hold is renewed,
+since renewing forever hides a hung holder.
+
+The lanes serve sync and async holds alike: renewal then does not depend on an
+event loop being free to run it. They are created lazily and re-created in a
 forked child, where threads do not survive (gunicorn preload, Celery prefork).
 """
 
@@ -18,7 +26,6 @@ import logging
 import os
 import threading
 import time
-from collections import defaultdict
 from typing import Any
 
 from django.core.exceptions import ImproperlyConfigured
@@ -27,169 +34,89 @@ from redis.exceptions import NoScriptError
 from . import scripts, signals
 from .holds import Hold
 
-__all__ = ["watchdog"]
+__all__ = ["Watchdog", "get_watchdog"]
 
 logger = logging.getLogger("django_redis_mutex")
 
-# How long the thread sleeps at most when nothing is due; also the retry delay
-# after Redis could not be reached.
+# How long a lane sleeps at most when nothing is due; also the longest retry
+# delay after a Redis could not be reached.
 _IDLE = 1.0
 
 
 class Watchdog:
-    """Renew held locks from a single background thread."""
+    """Renew held locks from one background lane per cache alias."""
 
     def __init__(self) -> None:
-        self._cond = threading.Condition(threading.Lock())
+        self._lock = threading.Lock()
         self._holds: dict[int, Hold] = {}
-        self._thread: threading.Thread | None = None
-        self._wake_at = float("inf")
+        self._lanes: dict[str, _Lane] = {}
 
-    def watch(self, hold: Hold, first_renewal: float | None = None) -> None:
-        """Start renewing ``hold`` every ttl/3 (the first time after ``first_renewal`` s)."""
-        hold.renew_at = time.monotonic() + (
-            hold.ttl / 3 if first_renewal is None else first_renewal
-        )
-        with self._cond:
+    def watch(self, hold: Hold) -> None:
+        """Start renewing ``hold`` on every Redis it lives on."""
+        with self._lock:
             self._holds[id(hold)] = hold
-            if self._thread is None or not self._thread.is_alive():
-                self._thread = threading.Thread(
-                    target=self._run, name="django-redis-mutex-watchdog", daemon=True
-                )
-                self._thread.start()
-            elif hold.renew_at < self._wake_at:
-                self._cond.notify()
+            for alias, lock_key in hold.targets:
+                lane = self._lanes.get(alias)
+                if lane is None:
+                    lane = self._lanes[alias] = _Lane(self, alias)
+                lane.add(hold, lock_key)
 
-    def unwatch(self, hold: Hold) -> None:
-        """Stop renewing ``hold``."""
-        with self._cond:
-            self._holds.pop(id(hold), None)
+    def unwatch(self, hold: Hold) -> bool:
+        """Stop renewing ``hold``; return True if it was being renewed."""
+        with self._lock:
+            if self._holds.pop(id(hold), None) is None:
+                return False
+            lanes = [self._lanes.get(alias) for alias, _ in hold.targets]
+        for lane in lanes:
+            if lane is not None:
+                lane.remove(hold)
+        return True
 
     def watching(self, hold: Hold) -> bool:
         """Return True while ``hold`` is being renewed."""
-        with self._cond:
+        with self._lock:
             return id(hold) in self._holds
 
-    def _run(self) -> None:
-        while True:
-            with self._cond:
-                now = time.monotonic()
-                due = [h for h in self._holds.values() if h.renew_at <= now]
-                if not due:
-                    nxt = min((h.renew_at for h in self._holds.values()), default=now + _IDLE)
-                    self._wake_at = min(nxt, now + _IDLE)
-                    self._cond.wait(self._wake_at - now)
-                    continue
-                self._wake_at = now
-            try:
-                self._renew(due)
-            except Exception:
-                # Nothing may stop the renewer: every other hold of the process
-                # depends on it. The failed round is retried on the next tick.
-                logger.exception("The lock watchdog failed a renewal round; retrying.")
-                retry = time.monotonic() + _IDLE
-                for hold in due:
-                    hold.renew_at = retry
+    def poke(self, hold: Hold) -> None:
+        """Make the lanes of ``hold`` look at it now (its lease changed)."""
+        with self._lock:
+            lanes = [self._lanes.get(alias) for alias, _ in hold.targets]
+        for lane in lanes:
+            if lane is not None:
+                lane.poke()
 
-    def _renew(self, due: list[Hold]) -> None:
-        # Group the renewals by Redis (alias): one pipeline per alias, whatever
-        # number of locks (and of quorum members) is due there.
-        by_alias: dict[str, list[tuple[Hold, str, int]]] = defaultdict(list)
-        # The lease each renewal sends: an extend(ttl) racing this round must
-        # not be undone by a renewal to the old length landing after it.
-        sent_ttl = {id(hold): hold.ttl for hold in due}
-        now = time.monotonic()
-        for hold in due:
-            if hold.max_hold is not None and now - hold.acquired_at >= hold.max_hold:
-                self.unwatch(hold)
+    def settle(self, hold: Hold, now: float) -> None:
+        """Decide, after a renewal or at its deadline, whether ``hold`` is lost or done."""
+        if not self.watching(hold):
+            return
+        if hold.max_hold is not None and now - hold.acquired_at >= hold.max_hold:
+            if self.unwatch(hold):
                 logger.warning(
                     "Stopped renewing lock %r after MAX_HOLD (%ss); it expires in at most %ss.",
                     hold.name,
                     hold.max_hold,
                     hold.ttl,
                 )
-                continue
-            for alias, lock_key in hold.targets:
-                by_alias[alias].append((hold, lock_key, int(sent_ttl[id(hold)] * 1000)))
-        renewed: dict[int, int] = defaultdict(int)
-        refused: dict[int, int] = defaultdict(int)
-        broken: set[int] = set()
-        sent = time.monotonic()
-        for alias, entries in by_alias.items():
-            try:
-                results = self._extend_all(alias, entries)
-            except ImproperlyConfigured as exc:
-                # The alias is gone or broken (settings changed): nothing to renew with.
-                logger.error("Cannot renew %d lock(s) on %r: %s", len(entries), alias, exc)
-                broken.update(id(hold) for hold, _, _ in entries)
-                continue
-            except Exception as exc:  # Redis down or slow: try again soon, the lease still runs.
-                logger.warning("Could not renew %d lock(s) on %r: %s", len(entries), alias, exc)
-                continue
-            for (hold, _, _), result in zip(entries, results, strict=True):
-                if result == 1:
-                    renewed[id(hold)] += 1
-                else:
-                    refused[id(hold)] += 1
-        for hold in due:
-            if not self.watching(hold):
-                continue
-            key = id(hold)
-            if renewed[key] >= hold.quorum:
-                if hold.ttl != sent_ttl[key]:
-                    # extend() changed the lease meanwhile: renew to it at once.
-                    hold.renew_at = time.monotonic()
-                else:
-                    hold.renew_at = time.monotonic() + hold.ttl / 3
-                    hold.expires_at = sent + hold.ttl
-            elif key in broken or refused[key] > len(hold.targets) - hold.quorum:
-                # Too many masters say it is not ours: a quorum can no longer hold it.
-                self._lost(hold)
-            else:
-                hold.renew_at = time.monotonic() + min(_IDLE, hold.ttl / 10)
+            return
+        if hold.doomed:
+            # One Redis, or too many masters for a majority, say it is not ours.
+            self._lost(hold, "the watchdog found it held by another owner or gone")
+        elif hold.strict and not hold.valid(now):
+            self._lost(hold, "its validity ran out before a majority of masters renewed it")
 
-    @staticmethod
-    def _extend_all(alias: str, entries: list[tuple[Hold, str, int]]) -> list[Any]:
-        from .client import get_client
-
-        client = get_client(alias)
-        if hasattr(client, "get_nodes"):
-            # A cluster client refuses scripts in pipelines; each renewal goes
-            # to the node owning that lock's slot.
-            return [
-                scripts.run(client, scripts.EXTEND, [lock_key], [hold.token, ttl_ms])
-                for hold, lock_key, ttl_ms in entries
-            ]
-        for attempt in (1, 2):
-            pipe = client.pipeline(transaction=False)
-            for hold, lock_key, ttl_ms in entries:
-                pipe.evalsha(scripts.EXTEND.sha, 1, lock_key, hold.token, ttl_ms)
-            try:
-                return list(pipe.execute())
-            except NoScriptError:
-                if attempt == 2:
-                    raise
-                client.script_load(scripts.EXTEND.source)
-        raise AssertionError("unreachable")
-
-    def _lost(self, hold: Hold) -> None:
-        with self._cond:
-            # A release unwatches before it asks Redis: a hold no longer watched
-            # was released (or is being released), not lost.
-            if self._holds.pop(id(hold), None) is None:
-                return
-            reason = "the watchdog found it held by another owner or gone"
-            if not hold.active or not hold.mark_lost(reason):
-                return
+    def _lost(self, hold: Hold, reason: str) -> None:
+        # A release unwatches before it asks Redis: a hold no longer watched
+        # was released (or is being released), not lost.
+        if not self.unwatch(hold):
+            return
+        if not hold.active or not hold.mark_lost(reason):
+            return
         held = time.monotonic() - hold.acquired_at
         logger.error(
-            "Lock %r (fence %s) was lost after %.3fs: it expired, was reset, or was taken.",
-            hold.name,
-            hold.fence,
-            held,
+            "Lock %r (fence %s) was lost after %.3fs: %s.", hold.name, hold.fence, held, reason
         )
-        # This thread renews every lock of the process: a receiver's error is
-        # logged, never allowed to stop it.
+        # A lane renews every lock on its Redis: a receiver's error is logged,
+        # never allowed to stop it.
         for receiver, error in signals.lock_lost.send_robust(
             sender=hold.alias, name=hold.name, fence=hold.fence, held=held
         ):
@@ -197,12 +124,137 @@ class Watchdog:
                 logger.error("lock_lost receiver %r failed: %r", receiver, error)
 
 
+class _Lane:
+    """The renewer thread of one cache alias."""
+
+    def __init__(self, watchdog: Watchdog, alias: str) -> None:
+        self.watchdog = watchdog
+        self.alias = alias
+        self._cond = threading.Condition(threading.Lock())
+        self._entries: dict[int, tuple[Hold, str]] = {}
+        # When the thread plans to wake next: a new hold due later needs no wake-up.
+        self._wake_at = 0.0
+        self._thread = threading.Thread(
+            target=self._run, name=f"django-redis-mutex-watchdog:{alias}", daemon=True
+        )
+        self._thread.start()
+
+    def add(self, hold: Hold, lock_key: str) -> None:
+        with self._cond:
+            self._entries[id(hold)] = (hold, lock_key)
+            due = hold.next_renewal(self.alias)
+            if hold.strict:
+                due = min(due, hold.expires_at)
+            if due < self._wake_at:
+                self._cond.notify()
+
+    def remove(self, hold: Hold) -> None:
+        with self._cond:
+            self._entries.pop(id(hold), None)
+
+    def poke(self) -> None:
+        with self._cond:
+            self._cond.notify()
+
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                now = time.monotonic()
+                due: list[tuple[Hold, str]] = []
+                wake = now + _IDLE
+                for hold, lock_key in self._entries.values():
+                    at = hold.next_renewal(self.alias)
+                    if at <= now:
+                        due.append((hold, lock_key))
+                    else:
+                        wake = min(wake, at)
+                    if hold.strict:
+                        wake = min(wake, hold.expires_at)
+                if not due:
+                    self._wake_at = wake
+                    self._cond.wait(max(wake - now, 0.0005))
+                self._wake_at = 0.0  # awake: a hold added now is seen on the next pass
+                entries = list(self._entries.values())
+            try:
+                if due:
+                    self._renew(due)
+            except Exception:
+                # Nothing may stop a lane: every other hold on this Redis
+                # depends on it. The failed round is retried soon.
+                logger.exception("The lock watchdog failed a renewal round; retrying.")
+                retry = time.monotonic() + _IDLE
+                for hold, _ in due:
+                    hold.failed(self.alias, retry)
+            now = time.monotonic()
+            for hold, _ in entries:
+                self.watchdog.settle(hold, now)
+
+    def _renew(self, due: list[tuple[Hold, str]]) -> None:
+        from .client import get_client, get_member_client
+
+        # Quorum members are asked through a client with the short per-master
+        # deadline; a plain lock through the alias's own client.
+        groups: dict[bool, list[tuple[Hold, str, float]]] = {}
+        for hold, lock_key in due:
+            if hold.max_hold is not None and time.monotonic() - hold.acquired_at >= hold.max_hold:
+                continue  # settle() stops it
+            groups.setdefault(hold.quorum > 1, []).append((hold, lock_key, hold.ttl))
+        for member, entries in groups.items():
+            try:
+                client = get_member_client(self.alias) if member else get_client(self.alias)
+                sent = time.monotonic()
+                results = _extend_all(client, entries)
+            except ImproperlyConfigured as exc:
+                # The alias is gone or broken (settings changed): nothing to renew with.
+                logger.error("Cannot renew %d lock(s) on %r: %s", len(entries), self.alias, exc)
+                for hold, _, _ in entries:
+                    hold.refuse(self.alias)
+                continue
+            except Exception as exc:  # Redis down or slow: try again soon, the lease still runs.
+                logger.warning(
+                    "Could not renew %d lock(s) on %r: %s", len(entries), self.alias, exc
+                )
+                now = time.monotonic()
+                for hold, _, ttl in entries:
+                    hold.failed(self.alias, now + min(_IDLE, ttl / 10))
+                continue
+            for (hold, _, ttl), result in zip(entries, results, strict=True):
+                if result == 1:
+                    hold.confirm(self.alias, sent, ttl)
+                    if hold.ttl != ttl:
+                        # extend() changed the lease meanwhile: renew to it at once.
+                        hold.leases[self.alias].renew_now = True
+                else:
+                    hold.refuse(self.alias)
+
+
+def _extend_all(client: Any, entries: list[tuple[Hold, str, float]]) -> list[Any]:
+    if hasattr(client, "get_nodes"):
+        # A cluster client refuses scripts in pipelines; each renewal goes
+        # to the node owning that lock's slot.
+        return [
+            scripts.run(client, scripts.EXTEND, [lock_key], [hold.token, int(ttl * 1000)])
+            for hold, lock_key, ttl in entries
+        ]
+    for attempt in (1, 2):
+        pipe = client.pipeline(transaction=False)
+        for hold, lock_key, ttl in entries:
+            pipe.evalsha(scripts.EXTEND.sha, 1, lock_key, hold.token, int(ttl * 1000))
+        try:
+            return list(pipe.execute())
+        except NoScriptError:
+            if attempt == 2:
+                raise
+            client.script_load(scripts.EXTEND.source)
+    raise AssertionError("unreachable")
+
+
 watchdog = Watchdog()
 
 
 def _after_fork_in_child() -> None:
-    # The parent's renewer thread does not exist here, and the parent's holds
-    # are not ours to renew.
+    # The parent's lanes do not exist here, and the parent's holds are not
+    # ours to renew.
     global watchdog
     watchdog = Watchdog()
     from .client import reset_after_fork

@@ -6,6 +6,7 @@ threads, which are separate lock owners exactly like separate processes.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import os
 import threading
@@ -707,3 +708,21 @@ def test_reset_all_hands_locks_to_waiters():
 
 def test_reset_all_returns_zero_when_nothing_held():
     assert reset_all() == 0
+
+
+def test_generator_body_runs_under_the_lock():
+    @mutex("gen")
+    def numbers():
+        yield Mutex("gen", reentrant=False).locked()
+        yield 2
+
+    @mutex("agen")
+    async def anumbers():
+        yield await Mutex("agen", reentrant=False).alocked()
+
+    async def collect():
+        return [item async for item in anumbers()]
+
+    assert list(numbers()) == [True, 2]
+    assert asyncio.run(collect()) == [True]
+    assert not Mutex("gen").locked()

@@ -24,6 +24,7 @@ from django_redis_mutex import (
     held_locks,
     mutex,
     reset,
+    signals,
 )
 
 from .conftest import caches_with
@@ -472,3 +473,109 @@ def test_async_default_timeout_comes_from_settings():
         holder.release()
     assert got is False
     assert elapsed < 2.0
+
+
+# -- cancellation and give-back never leave a lock behind --------------------------------------
+
+
+@pytest.fixture
+def slow_redis(redis_url: str) -> Any:
+    """Route the default alias through a proxy that delays every chunk by 0.3 s."""
+    import copy
+    from urllib.parse import urlsplit
+
+    from django.conf import settings
+
+    from .proxy import Proxy
+
+    with Proxy(urlsplit(redis_url).port or 6379) as proxy:
+        caches = copy.deepcopy(settings.CACHES)
+        caches["default"]["LOCATION"] = proxy.url
+        with override_settings(CACHES=caches):
+            proxy.latency = 0.3
+            yield proxy
+
+
+def test_cancelling_aacquire_during_its_first_round_trip_leaves_no_lock_held(
+    slow_redis: Any, raw: Any
+) -> None:
+    key = Mutex("first-trip").keys.lock
+
+    async def main() -> None:
+        task = asyncio.ensure_future(Mutex("first-trip", ttl=30).aacquire())
+
+        # Redis granted the lock; its reply is still on its way back.
+        async def granted() -> bool:
+            return bool(raw.exists(key))
+
+        assert await until(granted, timeout=10)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+
+    asyncio.run(main())
+    # Given back once the reply came, not after the 30 s lease.
+    deadline = time.monotonic() + 10
+    while raw.exists(key) and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert not raw.exists(key)
+
+
+def test_a_failing_lock_acquired_receiver_gives_back_without_blocking_the_loop(
+    slow_redis: Any, raw: Any
+) -> None:
+    def refuse(sender: Any, **kwargs: Any) -> None:
+        raise RuntimeError("receiver refused")
+
+    async def main() -> float:
+        gaps: list[float] = []
+        stop = asyncio.Event()
+
+        async def heartbeat() -> None:
+            last = time.monotonic()
+            while not stop.is_set():
+                await asyncio.sleep(0.01)
+                now = time.monotonic()
+                gaps.append(now - last)
+                last = now
+
+        beat = asyncio.ensure_future(heartbeat())
+        await asyncio.sleep(0.05)
+        try:
+            with pytest.raises(RuntimeError, match="receiver refused"):
+                await Mutex("given-back").aacquire()
+        finally:
+            stop.set()
+            await beat
+        return max(gaps)
+
+    signals.lock_acquired.connect(refuse)
+    try:
+        longest_gap = asyncio.run(main())
+    finally:
+        signals.lock_acquired.disconnect(refuse)
+    assert not raw.exists(Mutex("given-back").keys.lock)
+    # A blocking give-back would have frozen the loop for a whole slow round trip (>= 0.6 s).
+    assert longest_gap < 0.45, longest_gap
+
+
+def test_an_async_generator_using_a_shared_mutex_closed_from_another_task_releases_it() -> None:
+    shared = mutex("agen-shared")
+
+    async def numbers() -> Any:
+        async with shared:
+            yield 1
+            yield 2
+
+    async def main() -> bool:
+        gen = numbers()
+        assert await asyncio.ensure_future(gen.__anext__()) == 1
+        assert await Mutex("agen-shared").alocked()
+        await asyncio.ensure_future(gen.aclose())  # closed by another task
+        return await Mutex("agen-shared").alocked()
+
+    assert asyncio.run(main()) is False
+    # Nothing is left for the watchdog to renew.
+    from django_redis_mutex.watchdog import get_watchdog
+
+    assert not get_watchdog()._holds

@@ -1,8 +1,8 @@
-"""One test per trap in LESSONS.md that earlier Redis locks fell into.
+"""One test per trap that earlier Redis lock libraries fell into.
 
-Each test is named for the behaviour that avoids the trap; the trap's number
-in /work/shared/LESSONS.md is in the section comment. Faults are real: a
-dedicated redis-server is paused, killed and restarted on its own port.
+Each test is named for the behaviour that avoids the trap; the section
+comments say which trap (and the library issue that reported it). Faults are
+real: a dedicated redis-server is paused, killed and restarted on its own port.
 """
 
 from __future__ import annotations

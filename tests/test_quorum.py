@@ -21,15 +21,15 @@ from django_redis_mutex import (
 from django_redis_mutex.quorum import QuorumMutex
 from django_redis_mutex.testing import RedisServer
 
+from .topologies import redis_servers
+
 ALIASES = ["r1", "r2", "r3"]
 
 
 @pytest.fixture(scope="module")
 def masters() -> Iterator[list[RedisServer]]:
-    servers = [RedisServer().start() for _ in ALIASES]
-    yield servers
-    for server in servers:
-        server.close()
+    with redis_servers(len(ALIASES)) as servers:
+        yield servers
 
 
 @pytest.fixture

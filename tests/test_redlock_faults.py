@@ -29,7 +29,7 @@ from django_redis_mutex.client import namespace
 from django_redis_mutex.keys import LockKeys
 from django_redis_mutex.testing import RedisServer
 
-from .topologies import SectionWorkers, extra_caches, master_entries, poll_until
+from .topologies import SectionWorkers, extra_caches, master_entries, poll_until, redis_servers
 
 ALIASES = ["q1", "q2", "q3"]
 FOREIGN_OWNER = {"host": "elsewhere", "pid": 4242, "thread": "MainThread", "label": "foreign"}
@@ -37,10 +37,8 @@ FOREIGN_OWNER = {"host": "elsewhere", "pid": 4242, "thread": "MainThread", "labe
 
 @pytest.fixture(scope="module")
 def masters() -> Iterator[list[RedisServer]]:
-    servers = [RedisServer().start() for _ in ALIASES]
-    yield servers
-    for server in servers:
-        server.close()
+    with redis_servers(len(ALIASES)) as servers:
+        yield servers
 
 
 @pytest.fixture

@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 from django.dispatch import Signal
 
-from django_redis_mutex import LockLost, LockNotOwned, Mutex, held_locks, mutex, reset
+from django_redis_mutex import LockLost, LockNotOwned, Mutex, held_locks, mutex, reset, signals
 from django_redis_mutex.signals import lock_acquired, lock_contended, lock_lost, lock_released
 
 
@@ -196,3 +196,16 @@ def test_reentrant_acquisition_sends_no_second_pair(receive: Any) -> None:
         pass
     assert len(acquired) == 1
     assert len(released) == 1
+
+
+def test_failing_lock_acquired_receiver_gives_the_lock_back():
+    def broken_receiver(**kwargs):
+        raise RuntimeError("boom")
+
+    signals.lock_acquired.connect(broken_receiver)
+    try:
+        with pytest.raises(RuntimeError, match="boom"), mutex("given-back", ttl=1):
+            pass
+    finally:
+        signals.lock_acquired.disconnect(broken_receiver)
+    assert not Mutex("given-back").locked()

@@ -75,6 +75,21 @@ async def apoll_until(check: Callable[[], Any], timeout: float, what: str) -> An
 
 
 @contextmanager
+def redis_servers(count: int) -> Iterator[list[RedisServer]]:
+    """Start ``count`` independent redis-servers (quorum masters); close them all after.
+
+    A server a test left paused is resumed first, so it can stop cleanly.
+    """
+    servers = [RedisServer().start() for _ in range(count)]
+    try:
+        yield servers
+    finally:
+        for server in servers:
+            server.resume()
+            server.close()
+
+
+@contextmanager
 def extra_caches(entries: dict[str, dict[str, Any]]) -> Iterator[None]:
     """Add cache aliases to settings.CACHES for the duration of the block."""
     caches = copy.deepcopy(settings.CACHES)

@@ -1,0 +1,331 @@
+"""The I/O half of every lock operation: run the steps a lock decides on.
+
+A lock operation (acquire with its wait, release, extend, confirm) is written
+once, in :mod:`django_redis_mutex.lock` and :mod:`django_redis_mutex.quorum`, as
+a generator that yields what to do next (run a script, ask every quorum master,
+block on a wake-up list, sleep) and receives what came of it. The generator
+holds every decision and does no I/O; :func:`run_steps` drives it with
+blocking redis-py calls and :class:`AsyncDriver` with redis.asyncio, so the sync
+and async paths cannot drift apart.
+
+Every answer carries the time its command was *sent*: a lease granted or
+renewed by a command is counted from then, never from when the reply was read.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import os
+import threading
+import time
+from collections.abc import Generator
+from typing import Any, NamedTuple, TypeVar
+
+from redis.exceptions import NoScriptError, ResponseError
+
+from . import scripts
+from .client import (
+    UNAVAILABLE,
+    blocking_read_timeout,
+    get_async_client,
+    get_blocking_client,
+    get_client,
+    get_member_client,
+    socket_timeout,
+)
+
+__all__ = [
+    "REDIS_TICK",
+    "AsyncDriver",
+    "Each",
+    "Fanned",
+    "Pop",
+    "Script",
+    "Sleep",
+    "Steps",
+    "run_steps",
+]
+
+T = TypeVar("T")
+
+
+class Script(NamedTuple):
+    """Run one Lua script on one Redis; the answer is ``(sent, reply)``."""
+
+    alias: str
+    script: scripts.LuaScript
+    keys: list[str]
+    args: list[Any]
+
+
+class Each(NamedTuple):
+    """Run one script on every listed quorum master at once, each within ``timeout``.
+
+    ``calls`` pairs each master's alias with the keys it takes; the answer is a
+    :class:`Fanned`.
+    """
+
+    script: scripts.LuaScript
+    calls: tuple[tuple[str, tuple[str, ...]], ...]
+    args: list[Any]
+    timeout: float
+
+
+class Fanned(NamedTuple):
+    """What the masters answered to an :class:`Each`: replies, and errors by alias."""
+
+    sent: float
+    replies: dict[str, Any]
+    errors: dict[str, BaseException]
+
+
+class Pop(NamedTuple):
+    """Block up to ``wait`` seconds on a wake-up list; the answer is the value or None."""
+
+    alias: str
+    key: str
+    wait: float
+    longest: float  # the longest wait this acquisition ever asks for
+
+
+class Sleep(NamedTuple):
+    """Sleep locally (the last Redis timer tick before a holder's expiry, a quorum retry)."""
+
+    seconds: float
+
+
+Op = Script | Each | Pop | Sleep
+Steps = Generator[Op, Any, T]
+
+# Answers that mean a master could not be asked (not that it refused).
+_MASTER_ERRORS = (*UNAVAILABLE, ResponseError)
+
+
+class NoAnswer(TimeoutError):
+    """A quorum master did not answer within its deadline."""
+
+
+def run_steps(steps: Steps[T]) -> T:
+    """Drive ``steps`` with blocking calls and return what it returns."""
+    try:
+        op = next(steps)
+        while True:
+            op = steps.send(_do(op))
+    except StopIteration as done:
+        return done.value  # type: ignore[no-any-return]
+    finally:
+        steps.close()
+
+
+def _do(op: Op) -> Any:
+    if isinstance(op, Script):
+        client = get_client(op.alias)
+        sent = time.monotonic()
+        return sent, scripts.run(client, op.script, op.keys, op.args)
+    if isinstance(op, Pop):
+        client = get_blocking_client(op.alias, op.longest)
+        wait = _pop_wait(client, op.wait)
+        if wait is None:
+            time.sleep(op.wait)
+            return None
+        return client.blpop([op.key], timeout=wait)
+    if isinstance(op, Each):
+        return _each(op)
+    time.sleep(op.seconds)
+    return None
+
+
+# Redis ends a blocking pop only on its timer tick (hz 10: every 100 ms).
+REDIS_TICK = 0.1
+
+
+def _pop_wait(client: Any, wait: float) -> float | None:
+    """Return how long a blocking pop on ``client`` may wait, or None to sleep instead.
+
+    A client whose reads could not be lengthened (Sentinel) keeps its socket
+    timeout: a pop is cut below it, and a timeout too short for even two timer
+    ticks makes the waiter sleep and check in rather than fail.
+    """
+    limit = socket_timeout(client)
+    if limit is None or wait < limit * 0.8:
+        return wait
+    if limit * 0.8 < 2 * REDIS_TICK:
+        return None
+    return limit * 0.8
+
+
+_executor: concurrent.futures.ThreadPoolExecutor | None = None
+_executor_lock = threading.Lock()
+
+
+def _pool() -> concurrent.futures.ThreadPoolExecutor:
+    global _executor
+    if _executor is None:
+        with _executor_lock:
+            if _executor is None:
+                _executor = concurrent.futures.ThreadPoolExecutor(
+                    max_workers=16, thread_name_prefix="django-redis-mutex-quorum"
+                )
+    return _executor
+
+
+def _after_fork_in_child() -> None:
+    global _executor, _executor_lock
+    _executor = None
+    _executor_lock = threading.Lock()
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
+
+
+def _ask(alias: str, op: Each, keys: tuple[str, ...]) -> Any:
+    return scripts.run(get_member_client(alias, op.timeout), op.script, list(keys), op.args)
+
+
+def _each(op: Each) -> Fanned:
+    """Ask every master at once: send to all, then read each answer.
+
+    Masters on plain connection pools get the request written to their
+    sockets one after another and are read back in turn, so the round trips
+    overlap without a thread; each read is bounded by the member client's
+    short socket timeout. Other clients (Sentinel, Cluster) are asked from a
+    thread pool.
+    """
+    replies: dict[str, Any] = {}
+    errors: dict[str, BaseException] = {}
+    sent = time.monotonic()
+    in_flight: list[tuple[str, Any, Any, tuple[str, ...]]] = []
+    threaded: dict[concurrent.futures.Future[Any], str] = {}
+    for alias, keys in op.calls:
+        client = get_member_client(alias, op.timeout)
+        pool = getattr(client, "connection_pool", None)
+        if pool is None or not hasattr(pool, "get_connection"):
+            threaded[_pool().submit(_ask, alias, op, keys)] = alias
+            continue
+        connection = None
+        try:
+            connection = pool.get_connection()
+            connection.send_command("EVALSHA", op.script.sha, len(keys), *keys, *op.args)
+        except _MASTER_ERRORS as exc:
+            errors[alias] = exc
+            if connection is not None:
+                connection.disconnect()
+                pool.release(connection)
+            continue
+        in_flight.append((alias, client, connection, keys))
+    for alias, client, connection, keys in in_flight:
+        pool = client.connection_pool
+        try:
+            replies[alias] = client.parse_response(connection, "EVALSHA")
+        except NoScriptError:
+            pool.release(connection)
+            connection = None
+            try:
+                replies[alias] = _ask(alias, op, keys)  # loads the script, then runs it
+            except _MASTER_ERRORS as exc:
+                errors[alias] = exc
+        except _MASTER_ERRORS as exc:
+            errors[alias] = exc
+            connection.disconnect()
+        except BaseException:
+            connection.disconnect()
+            raise
+        finally:
+            if connection is not None:
+                pool.release(connection)
+    if threaded:
+        # Each request is bounded by its client's socket timeout; the margin
+        # only covers a busy thread pool.
+        budget = max(0.0, sent + 2 * op.timeout + 0.5 - time.monotonic())
+        done, pending = concurrent.futures.wait(threaded, timeout=budget)
+        for future in pending:
+            errors[threaded[future]] = NoAnswer(f"no answer within {op.timeout}s")
+        for future in done:
+            alias = threaded[future]
+            failure = future.exception()
+            if failure is None:
+                replies[alias] = future.result()
+            elif isinstance(failure, _MASTER_ERRORS):
+                errors[alias] = failure
+            else:
+                raise failure
+    return Fanned(sent, replies, errors)
+
+
+class AsyncDriver:
+    """Drive steps on the running event loop; tells whether a script is in flight.
+
+    A caller cancelled while a script is in flight lets that round trip finish
+    (its reply says whether the lock was granted) before giving the lock back,
+    instead of cutting it off and never learning what Redis did.
+    """
+
+    def __init__(self) -> None:
+        self.in_script = False
+        # Set when the caller was cancelled: end before the next step.
+        self.stop = False
+
+    async def run(self, steps: Steps[T]) -> T:
+        """Drive ``steps`` on the running loop and return what it returns."""
+        try:
+            op = next(steps)
+            while True:
+                if self.stop:
+                    raise asyncio.CancelledError("The acquisition was cancelled.")
+                op = steps.send(await self._do(op))
+        except StopIteration as done:
+            return done.value  # type: ignore[no-any-return]
+        finally:
+            steps.close()
+
+    async def _do(self, op: Op) -> Any:
+        if isinstance(op, Script):
+            self.in_script = True
+            try:
+                client = await get_async_client(op.alias)
+                sent = time.monotonic()
+                return sent, await scripts.arun(client, op.script, op.keys, op.args)
+            finally:
+                self.in_script = False
+        if isinstance(op, Pop):
+            client = await get_async_client(
+                op.alias, read_timeout=blocking_read_timeout(op.alias, op.longest)
+            )
+            wait = _pop_wait(client, op.wait)
+            if wait is None:
+                await asyncio.sleep(op.wait)
+                return None
+            return await client.blpop([op.key], timeout=wait)
+        if isinstance(op, Each):
+            self.in_script = True
+            try:
+                return await _aeach(op)
+            finally:
+                self.in_script = False
+        await asyncio.sleep(op.seconds)
+        return None
+
+
+async def _aeach(op: Each) -> Fanned:
+    async def one(alias: str, keys: tuple[str, ...]) -> Any:
+        # Every read and connect bounded by the master's deadline, like the
+        # sync member clients (not a wait_for around the whole exchange, which
+        # would count a first connection and a script load against it).
+        client = await get_async_client(alias, read_timeout=op.timeout, connect_timeout=op.timeout)
+        return await scripts.arun(client, op.script, list(keys), op.args)
+
+    sent = time.monotonic()
+    results = await asyncio.gather(
+        *(one(alias, keys) for alias, keys in op.calls), return_exceptions=True
+    )
+    replies: dict[str, Any] = {}
+    errors: dict[str, BaseException] = {}
+    for (alias, _), result in zip(op.calls, results, strict=True):
+        if isinstance(result, _MASTER_ERRORS):
+            errors[alias] = result
+        elif isinstance(result, BaseException):
+            raise result
+        else:
+            replies[alias] = result
+    return Fanned(sent, replies, errors)

@@ -1,0 +1,323 @@
+"""A holder's idea of its lease never outlasts the key in Redis, and no server stalls another.
+
+Leases are counted from when the command that granted or renewed them was
+sent. A waiter woken late (its loop or thread paused) asks Redis before it
+claims the lock; a quorum hold counts only on its validity; one Redis that
+hangs delays neither another alias's renewals nor a quorum's acquisition; a
+small socket timeout does not break blocking waits.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+import threading
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+from django.conf import settings
+from django.test import override_settings
+
+from django_redis_mutex import LockBackendUnavailable, LockLost, Mutex, mutex, signals
+from django_redis_mutex.client import get_client
+from django_redis_mutex.testing import RedisServer
+
+from .conftest import cache_options, poll_until
+from .topologies import extra_caches, master_entries, redis_servers
+
+ALIASES = ["v1", "v2", "v3"]
+
+
+def _queue_length(name: str) -> int:
+    return int(get_client("default").zcard(Mutex(name).keys.queue))
+
+
+def test_a_waiter_whose_loop_stalls_through_its_hand_over_lease_asks_redis_before_entering() -> (
+    None
+):
+    name = "late-wake"
+    holder = Mutex(name, ttl=1)
+    assert holder.acquire()
+    loop_ready = threading.Event()
+    stalled = threading.Event()
+    loop_box: list[asyncio.AbstractEventLoop] = []
+    entered: list[float] = []
+    third: dict[str, float] = {}
+
+    async def waiter() -> None:
+        loop_box.append(asyncio.get_running_loop())
+        loop_ready.set()
+        lock = Mutex(name, ttl=1, timeout=20)
+        assert await lock.aacquire()
+        entered.append(time.monotonic())
+        await lock.arelease()
+
+    def third_party() -> None:
+        lock = Mutex(name, ttl=1, timeout=20)
+        assert lock.acquire()
+        third["in"] = time.monotonic()
+        # Hold until the stalled waiter's loop has long resumed.
+        poll_until(lambda: time.monotonic() - third["in"] > 2.5, 10, "the third party's hold")
+        third["out"] = time.monotonic()
+        lock.release()
+
+    waiter_thread = threading.Thread(target=lambda: asyncio.run(waiter()))
+    waiter_thread.start()
+    assert loop_ready.wait(10)
+    poll_until(lambda: _queue_length(name) == 1, 10, "the async waiter to queue")
+    third_thread = threading.Thread(target=third_party)
+    third_thread.start()
+    poll_until(lambda: _queue_length(name) == 2, 10, "the third party to queue")
+
+    def stall() -> None:
+        stalled.set()
+        time.sleep(2.0)  # the event loop is frozen: longer than the 1 s hand-over lease
+
+    loop_box[0].call_soon_threadsafe(stall)
+    assert stalled.wait(10)
+    holder.release()  # hands the lock to the stalled waiter, with a 1 s lease
+    third_thread.join(30)
+    waiter_thread.join(30)
+    assert entered and "out" in third
+    # The third party took the lapsed hand-over; the stalled waiter entered only after it left.
+    assert entered[0] >= third["out"], (entered[0] - third["in"], third["out"] - third["in"])
+
+
+# -- quorum validity and per-master deadlines -----------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def masters() -> Iterator[list[RedisServer]]:
+    with redis_servers(len(ALIASES)) as servers:
+        yield servers
+
+
+@pytest.fixture
+def quorum(masters: list[RedisServer], mutex_prefix: str) -> Iterator[list[RedisServer]]:
+    with extra_caches(master_entries(masters, ALIASES, mutex_prefix, TIMEOUT=2)):
+        yield masters
+    for server in masters:
+        server.resume()
+
+
+def test_a_quorum_hold_counts_only_on_its_validity_from_when_the_requests_were_sent(
+    quorum: list[RedisServer],
+) -> None:
+    lock = Mutex("validity", using=ALIASES, ttl=2, watchdog=False)
+    before = time.monotonic()
+    assert lock.acquire()
+    after = time.monotonic()
+    hold = lock._current()
+    assert hold is not None
+    drift = 2 * 0.01 + 0.002
+    # Never later than the lease from the first send, less the drift allowance.
+    assert before + 2 - drift - 0.001 <= hold.expires_at <= after + 2 - drift
+    lock.release()
+
+
+def test_a_quorum_hold_whose_validity_runs_out_without_a_majority_renewal_is_lost(
+    quorum: list[RedisServer],
+) -> None:
+    lost: list[str] = []
+
+    def on_lost(sender: Any, name: str, **kwargs: Any) -> None:
+        if name == "majority-gone":  # not a leftover hold of another test
+            lost.append(name)
+
+    signals.lock_lost.connect(on_lost)
+    try:
+        with (
+            pytest.raises(LockLost, match="validity"),
+            mutex("majority-gone", using=ALIASES, ttl=1),
+        ):
+            quorum[0].pause()
+            quorum[1].pause()
+            poll_until(lambda: lost, 10, "the hold to be declared lost")
+            quorum[0].resume()
+            quorum[1].resume()
+    finally:
+        signals.lock_lost.disconnect(on_lost)
+        for server in quorum:
+            server.resume()
+    assert lost == ["majority-gone"]
+
+
+def test_a_quorum_hold_is_renewed_before_its_validity_runs_out(
+    quorum: list[RedisServer],
+) -> None:
+    with mutex("renewed-in-time", using=ALIASES, ttl=0.6) as lock:
+        start = time.monotonic()
+        poll_until(lambda: time.monotonic() - start > 2.0, 5, "three leases to pass")
+        assert not lock.lost and lock.owned()
+
+
+def test_one_hung_quorum_master_does_not_delay_a_quorum_acquire(
+    quorum: list[RedisServer],
+) -> None:
+    quorum[2].pause()
+    try:
+        started = time.monotonic()
+        lock = Mutex("hung-master", using=ALIASES, timeout=1)
+        assert lock.acquire()
+        took = time.monotonic() - started
+        lock.release()
+        blocker = Mutex("hung-master-busy", using=ALIASES)
+        assert blocker.acquire()
+        started = time.monotonic()
+        assert Mutex("hung-master-busy", using=ALIASES).acquire(timeout=1) is False
+        waited = time.monotonic() - started
+        blocker.release()
+    finally:
+        quorum[2].resume()
+    assert took < 1.0, took
+    assert waited < 2.5, waited  # the caller's 1 s timeout, not a socket timeout per master
+
+
+def test_a_hung_quorum_master_does_not_stall_renewals_of_an_unrelated_lock(
+    quorum: list[RedisServer], raw: Any
+) -> None:
+    with mutex("quorum-side", using=ALIASES, ttl=3), mutex("plain-side", ttl=0.6) as plain:
+        token = plain.token
+        quorum[0].pause()
+        try:
+            start = time.monotonic()
+            # Six leases of the plain lock while its quorum neighbour's master hangs.
+            while time.monotonic() - start < 3.6:
+                assert raw.hget(plain.keys.lock, "token").decode() == token
+                assert raw.pttl(plain.keys.lock) > 0
+                time.sleep(0.05)
+        finally:
+            quorum[0].resume()
+        assert not plain.lost
+
+
+def test_one_hung_quorum_master_with_a_slow_socket_timeout_still_lets_async_acquire(
+    quorum: list[RedisServer],
+) -> None:
+    async def main() -> float:
+        lock = Mutex("hung-async", using=ALIASES, timeout=1)
+        started = time.monotonic()
+        assert await lock.aacquire()
+        took = time.monotonic() - started
+        await lock.arelease()
+        return took
+
+    quorum[1].pause()
+    try:
+        took = asyncio.run(main())
+    finally:
+        quorum[1].resume()
+    assert took < 1.0, took
+
+
+def test_two_hung_quorum_masters_fail_fast_and_clearly(quorum: list[RedisServer]) -> None:
+    quorum[0].pause()
+    quorum[1].pause()
+    try:
+        started = time.monotonic()
+        with pytest.raises(LockBackendUnavailable, match="2 of 3"):
+            Mutex("two-hung", using=ALIASES, timeout=1).acquire()
+        took = time.monotonic() - started
+    finally:
+        quorum[0].resume()
+        quorum[1].resume()
+    assert took < 1.5, took
+
+
+# -- small socket timeouts ------------------------------------------------------------------
+
+
+@pytest.fixture
+def small_socket_timeout() -> Iterator[None]:
+    caches = copy.deepcopy(settings.CACHES)
+    caches["default"]["OPTIONS"] = {
+        **caches["default"].get("OPTIONS", {}),
+        **cache_options(socket_timeout=0.1),
+    }
+    with override_settings(CACHES=caches):
+        yield
+
+
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_contended_waits_succeed_with_a_small_socket_timeout(
+    small_socket_timeout: None, mode: str
+) -> None:
+    holder = Mutex("small-timeout")
+    assert holder.acquire()
+    results: list[Any] = []
+
+    def wait_sync() -> None:
+        lock = Mutex("small-timeout", timeout=15)
+        try:
+            results.append(lock.acquire())
+            lock.release()
+        except BaseException as exc:
+            results.append(exc)
+
+    def wait_async() -> None:
+        async def main() -> bool:
+            lock = Mutex("small-timeout", timeout=15)
+            got = await lock.aacquire()
+            await lock.arelease()
+            return got
+
+        try:
+            results.append(asyncio.run(main()))
+        except BaseException as exc:
+            results.append(exc)
+
+    waiters = [
+        threading.Thread(target=wait_sync if mode == "sync" else wait_async) for _ in range(3)
+    ]
+    for waiter in waiters:
+        waiter.start()
+    poll_until(lambda: _queue_length("small-timeout") == 3, 10, "three waiters in line")
+    # Hold for several socket timeouts, so each waiter blocks on Redis many times over.
+    held_since = time.monotonic()
+    poll_until(lambda: time.monotonic() - held_since > 1.5, 5, "the holder's section")
+    holder.release()
+    for waiter in waiters:
+        waiter.join(30)
+    assert results == [True, True, True], results
+    assert not Mutex("small-timeout").locked()
+    assert _queue_length("small-timeout") == 0
+
+
+def test_a_waiter_process_paused_through_its_hand_over_lease_asks_redis_before_entering(
+    spawn: Any,
+) -> None:
+    import os
+    import signal
+
+    name = "paused-waiter"
+    holder = Mutex(name)
+    assert holder.acquire()
+    waiter = spawn("wait.py", name, 60)
+    waiter.expect("waiting")
+    poll_until(lambda: _queue_length(name) == 1, 10, "the waiter process to queue")
+    third: dict[str, float] = {}
+
+    def third_party() -> None:
+        lock = Mutex(name, timeout=30)
+        assert lock.acquire()
+        third["in"] = time.time()
+        # Hold until well after the paused waiter was resumed.
+        poll_until(lambda: "resumed" in third and time.time() - third["resumed"] > 1.0, 30, "hold")
+        third["out"] = time.time()
+        lock.release()
+
+    thread = threading.Thread(target=third_party)
+    thread.start()
+    poll_until(lambda: _queue_length(name) == 2, 10, "the third party to queue")
+    os.kill(waiter.pid, signal.SIGSTOP)
+    try:
+        holder.release()  # handed to the paused waiter with the 4 s hand-over lease
+        poll_until(lambda: "in" in third, 15, "the third party to take the lapsed hand-over")
+    finally:
+        os.kill(waiter.pid, signal.SIGCONT)
+        third["resumed"] = time.time()
+    acquired = waiter.expect("acquired", timeout=30)
+    thread.join(30)
+    assert acquired["t"] >= third["out"], (acquired["t"] - third["in"], third["out"] - third["in"])

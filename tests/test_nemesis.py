@@ -1,0 +1,406 @@
+"""The nemesis (tests/nemesis.py): its checker on hand-made histories, then short real runs.
+
+The checker tests come first so that a clean run means something: each builds
+the journal lines workers write (enter, leave, outcome, told, ...) and the
+faults the nemesis applied, and asks :func:`tests.nemesis.check` for a verdict.
+Times are milliseconds from the start of the run.
+
+The real runs start their own redis-server(s), worker processes with threads
+and asyncio tasks, and apply the faults a seed plans, one topology per test.
+The seed comes from ``NEMESIS_SEED`` (random otherwise) and is in every
+failure message, with the command that replays the same plan.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+from typing import Any
+
+import pytest
+
+from .nemesis import (
+    NS,
+    TOPOLOGIES,
+    FaultRecord,
+    RunInfo,
+    Tuning,
+    Verdict,
+    check,
+    make_plan,
+    run_nemesis,
+)
+
+T0 = 1_000 * NS
+TUNING = Tuning()  # ttl 1.5 s: a pause of 0.5 s or more may cost a lease
+
+
+def at(ms: float) -> int:
+    return T0 + int(ms * 1_000_000)
+
+
+class Journal:
+    """The events workers would have written, built by hand."""
+
+    def __init__(self) -> None:
+        self.events: list[dict[str, Any]] = []
+        self.faults: list[FaultRecord] = []
+        self._bodies = 0
+
+    def body(
+        self,
+        pid: int,
+        fence: int,
+        enter: float,
+        leave: float | None,
+        *,
+        result: str | None = "clean",
+        name: str = "hot",
+        space: str = "single",
+        kind: str = "with",
+        called: float | None = None,
+        slot: int | None = None,
+        is_async: bool = False,
+        scenario: str | None = None,
+        joined: bool = False,
+    ) -> str:
+        self._bodies += 1
+        body = f"{pid}-{self._bodies}"
+        self.events.append(
+            {
+                "e": "enter",
+                "pid": pid,
+                "t": at(enter),
+                "b": body,
+                "slot": pid if slot is None else slot,
+                "space": space,
+                "name": name,
+                "fence": fence,
+                "kind": kind,
+                "owner": "thread0",
+                "called": at(enter if called is None else called),
+                "joined": joined,
+                "scenario": scenario,
+                "async": is_async,
+            }
+        )
+        if leave is not None:
+            self.events.append({"e": "leave", "pid": pid, "t": at(leave), "b": body})
+            if result is not None:
+                self.events.append(
+                    {"e": "outcome", "pid": pid, "t": at(leave + 1), "b": body, "result": result}
+                )
+        return body
+
+    def signal(self, pid: int, name: str, fence: int, when: float) -> None:
+        self.events.append(
+            {"e": "told", "pid": pid, "t": at(when), "how": "signal", "name": name, "fence": fence}
+        )
+
+    def event(self, kind: str, pid: int, when: float, **data: Any) -> None:
+        self.events.append({"e": kind, "pid": pid, "t": at(when), **data})
+
+    def fault(self, kind: str, start: float, end: float | None = None, **data: Any) -> None:
+        self.faults.append(
+            FaultRecord(
+                id=len(self.faults) + 1,
+                kind=kind,
+                t0=at(start),
+                t1=None if end is None else at(end),
+                **data,
+            )
+        )
+
+    def check(self, *, done: tuple[int, ...] | None = None) -> Verdict:
+        pids = {e["pid"] for e in self.events} if done is None else set(done)
+        killed = {f.pid for f in self.faults if f.kind == "kill-worker"}
+        events = self.events + [
+            {"e": "done", "pid": pid, "t": at(60_000)} for pid in sorted(pids - killed)
+        ]
+        info = RunInfo("single", 0, TUNING, T0, at(60_000), faults=self.faults)
+        return check(events, info)
+
+
+def kinds(verdict: Verdict) -> list[str]:
+    return [violation.kind for violation in verdict.violations]
+
+
+# -- overlaps -----------------------------------------------------------------------------------
+
+
+def test_back_to_back_bodies_with_growing_fences_pass() -> None:
+    journal = Journal()
+    journal.body(1, 10, 0, 100)
+    journal.body(2, 11, 100, 200)
+    journal.body(1, 15, 250, 300)
+
+    verdict = journal.check()
+
+    assert verdict.violations == []
+    assert verdict.stats["fences in order"] == 2
+
+
+def test_an_overlap_whose_stale_holder_was_never_told_is_a_violation() -> None:
+    journal = Journal()
+    journal.body(1, 10, 0, 3000)
+    journal.body(2, 11, 2000, 2100)
+    journal.fault("pause-worker", 100, 2500, pid=1, slot=1)  # a long pause, yet nobody told
+
+    verdict = journal.check()
+
+    assert kinds(verdict) == ["overlap: stale holder never told"]
+    assert "fence 10" in verdict.violations[0].text
+
+
+def test_a_told_stale_holder_paused_past_its_lease_is_excused() -> None:
+    journal = Journal()
+    journal.body(1, 10, 0, 3000, result="told")
+    journal.body(2, 11, 2000, 2100)
+    journal.fault("pause-worker", 100, 2500, pid=1, slot=1)
+
+    verdict = journal.check()
+
+    assert verdict.violations == []
+    assert verdict.stats["excused"] == {"told": 1}
+    assert "SIGSTOP of pid 1" in verdict.excused[0]
+
+
+def test_a_told_stale_holder_with_no_fault_to_explain_its_loss_is_a_violation() -> None:
+    journal = Journal()
+    journal.body(1, 10, 0, 3000, result="told")
+    journal.body(2, 11, 2000, 2100)
+    journal.fault("pause-worker", 100, 400, pid=1, slot=1)  # shorter than a third of the ttl
+    journal.fault("pause-worker", 2100, 2900, pid=1, slot=1)  # after the newer body entered
+    journal.fault("cut-proxy", 1000, slot=1, server="r0")  # a cut costs a renewal at most
+
+    verdict = journal.check()
+
+    assert kinds(verdict) == ["overlap: lease lost without a fault to explain it"]
+
+
+def test_the_stale_holder_is_the_smaller_fence_even_when_its_journal_came_later() -> None:
+    # Acquired first (fence 10), paused before it could write "enter": the newer
+    # holder (fence 11) entered earlier. The stale one was told, and paused.
+    journal = Journal()
+    journal.body(2, 11, 1000, 1500)
+    journal.body(1, 10, 1400, 1600, called=0, result="told")
+    journal.fault("pause-worker", 50, 1390, pid=1, slot=1)
+
+    verdict = journal.check()
+
+    assert verdict.violations == []
+
+
+def test_a_redis_restart_explains_losses_of_its_own_locks_only() -> None:
+    journal = Journal()
+    journal.body(1, 10, 0, 3000, result="told", space="side", name="side:0")
+    journal.body(2, 11, 2000, 2100, space="side", name="side:0")
+    journal.body(1, 20, 0, 3000, result="told", space="quorum", name="q:hot")
+    journal.body(2, 21, 2000, 2100, space="quorum", name="q:hot")
+    journal.fault("restart-redis", 500, 600, server="side")
+
+    verdict = journal.check()
+
+    assert kinds(verdict) == ["overlap: lease lost without a fault to explain it"]
+    assert "q:hot" in verdict.violations[0].text
+
+
+def test_a_reset_explains_losses_of_the_lock_it_reset_only() -> None:
+    journal = Journal()
+    journal.body(1, 10, 0, 3000, result="told", name="hot")
+    journal.body(2, 11, 2000, 2100, name="hot")
+    journal.body(1, 20, 0, 3000, result="told", name="a")
+    journal.body(2, 21, 2000, 2100, name="a")
+    journal.fault("reset", 500, 510, space="single", name="hot", held=True)
+
+    verdict = journal.check()
+
+    assert kinds(verdict) == ["overlap: lease lost without a fault to explain it"]
+    assert "single:a" in verdict.violations[0].text
+
+
+def test_a_loop_stall_explains_losses_of_async_bodies_only() -> None:
+    journal = Journal()
+    journal.body(1, 10, 0, 3000, result="told", is_async=True)
+    journal.body(2, 11, 2000, 2100)
+    journal.body(1, 20, 0, 3000, result="told", name="a")
+    journal.body(2, 21, 2000, 2100, name="a")
+    journal.event("stall", 1, 1600, t0=at(100), t1=at(1600))
+
+    verdict = journal.check()
+
+    assert kinds(verdict) == ["overlap: lease lost without a fault to explain it"]
+    assert "single:a" in verdict.violations[0].text
+
+
+# -- killed holders -------------------------------------------------------------------------------
+
+
+def test_a_killed_holder_ends_at_the_kill_so_a_later_holder_does_not_overlap_it() -> None:
+    journal = Journal()
+    journal.body(1, 10, 0, None)
+    journal.body(2, 11, 2500, 2600)
+    journal.fault("kill-worker", 1000, pid=1, slot=1)
+
+    verdict = journal.check()
+
+    assert verdict.violations == []
+    assert verdict.stats["status"] == {"unknown": 1, "clean": 1}
+
+
+def test_a_holder_killed_while_stopped_ends_when_it_stopped() -> None:
+    journal = Journal()
+    journal.body(1, 10, 0, None)
+    journal.body(2, 11, 1800, 1900)
+    journal.fault("pause-worker", 300, 2000, pid=1, slot=1)
+    journal.fault("kill-worker", 2000, pid=1, slot=1, stopped_since=at(300))
+
+    assert journal.check().violations == []
+
+
+def test_a_killed_holder_overlapped_before_the_kill_needs_a_fault_to_explain_it() -> None:
+    journal = Journal()
+    journal.body(1, 10, 0, None)
+    journal.body(2, 11, 500, 600)
+    journal.fault("kill-worker", 1000, pid=1, slot=1)
+
+    assert kinds(journal.check()) == ["overlap: lease lost without a fault to explain it"]
+
+
+# -- the scenarios --------------------------------------------------------------------------------
+
+
+def test_a_waiter_entering_on_a_hand_off_that_lapsed_in_its_loop_stall_is_a_violation() -> None:
+    # H holds; W queues (called at 0); the loop stalls 200..1700; H releases at
+    # 300 (the hand-off to W); C takes the lock once W's hand-off lapsed; W runs
+    # again and enters beside C. W is told at exit and the stall explains a
+    # loss, but the lapse happened inside W's acquire call.
+    journal = Journal()
+    journal.body(1, 10, -100, 290, kind="handoff-holder", scenario="s")
+    journal.event("scenario", 1, 300, sc="s", role="release")
+    journal.event("stall", 1, 1700, t0=at(200), t1=at(1700), scenario="s")
+    journal.body(1, 12, 900, 2700, kind="handoff-competitor", scenario="s")
+    journal.body(
+        1, 11, 1705, 1760, kind="handoff-waiter", called=0, is_async=True, scenario="s",
+        result="told",
+    )  # fmt: skip
+
+    verdict = journal.check()
+
+    assert kinds(verdict) == ["overlap: entered on a lapsed hand-off"]
+    assert verdict.stats["handoff scenarios judged"] == 1
+
+
+def test_a_waiter_that_waits_for_the_competitor_after_the_stall_passes() -> None:
+    journal = Journal()
+    journal.body(1, 10, -100, 290, kind="handoff-holder", scenario="s")
+    journal.event("scenario", 1, 300, sc="s", role="release")
+    journal.event("stall", 1, 1700, t0=at(200), t1=at(1700), scenario="s")
+    journal.body(1, 12, 900, 2700, kind="handoff-competitor", scenario="s")
+    journal.body(1, 13, 2701, 2760, kind="handoff-waiter", called=0, is_async=True, scenario="s")
+
+    assert journal.check().violations == []
+
+
+def test_a_body_that_joined_a_hold_handed_to_another_thread_is_a_violation() -> None:
+    # The handed body (fence 10) is released by the other thread at 300; the
+    # decorated body of the first thread got no grant of its own.
+    journal = Journal()
+    journal.body(1, 10, 0, 300, kind="handover")
+    journal.body(1, 10, 50, 100, kind="after-handover", joined=True)
+
+    assert sorted(kinds(journal.check())) == [
+        "fence handed out twice",
+        "overlap: one fence, two bodies",
+    ]
+
+
+def test_a_side_lock_lost_across_a_master_pause_with_its_own_redis_healthy_is_a_violation() -> None:
+    journal = Journal()
+    journal.body(1, 10, 0, 3000, space="side", name="side:0", kind="side-hold", result="told")
+    journal.fault("pause-redis", 300, 2700, server="m2")
+
+    assert kinds(journal.check()) == ["unrelated lock lost while a quorum master hung"]
+
+
+def test_a_loss_learned_before_leaving_must_raise_at_a_block_exit() -> None:
+    journal = Journal()
+    journal.body(1, 10, 0, 1000, kind="with")  # clean exit
+    journal.signal(1, "hot", 10, 500)
+    journal.body(1, 11, 1100, 2000, kind="acquire")  # release() answers for itself
+    journal.signal(1, "hot", 11, 1500)
+    journal.body(1, 12, 2100, 3000, kind="nested")  # told by the release, in the exit
+    journal.signal(1, "hot", 12, 3000.5)
+
+    verdict = journal.check()
+
+    assert kinds(verdict) == ["loss hidden at exit", "loss hidden at exit"]
+    assert "fence 10" in verdict.violations[0].text
+    assert "while it exited" in verdict.violations[1].text
+
+
+# -- fences and processes -------------------------------------------------------------------------
+
+
+def test_fences_must_grow_over_clean_bodies_and_never_repeat() -> None:
+    journal = Journal()
+    journal.body(1, 10, 0, 100)
+    journal.body(2, 9, 200, 300)  # backwards, and never told
+    journal.body(3, 7, 400, 500, result="told")  # told: out of the ordering
+    journal.body(1, 12, 600, 700)
+    journal.body(2, 12, 800, 900, name="a")  # another lock may reuse it
+
+    assert kinds(journal.check()) == ["fence went backwards"]
+
+
+def test_a_worker_that_vanished_without_being_killed_is_reported() -> None:
+    journal = Journal()
+    journal.body(1, 10, 0, None)
+
+    assert sorted(kinds(journal.check(done=()))) == ["harness", "harness"]
+
+
+# -- the plan -------------------------------------------------------------------------------------
+
+
+def test_a_seed_plans_the_same_faults_every_time_and_every_scenario_fits() -> None:
+    for topology in TOPOLOGIES:
+        plan = make_plan(7, topology, 25.0, TUNING)
+
+        assert plan == make_plan(7, topology, 25.0, TUNING)
+        assert plan != make_plan(8, topology, 25.0, TUNING)
+        assert all(fault.at >= 2.5 and fault.at + fault.seconds <= 24.0 for fault in plan)
+        variants = {fault.variant for fault in plan if fault.kind == "handoff-stall"}
+        assert variants == {"short", "long"}
+        assert any(fault.kind == "restart-redis" for fault in plan)
+        assert any(fault.kind == "nested-reset" for fault in plan)
+        if topology == "quorum":
+            assert any(fault.kind == "side-hold" for fault in plan)
+
+
+# -- real runs ------------------------------------------------------------------------------------
+
+SEED = int(os.environ.get("NEMESIS_SEED") or random.SystemRandom().randrange(1, 2**31))
+RUN_SECONDS = float(os.environ.get("NEMESIS_SECONDS") or 25)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("topology", TOPOLOGIES)
+def test_locks_keep_their_promises_under_a_random_fault_schedule(topology: str) -> None:
+    report = run_nemesis(topology, RUN_SECONDS, SEED)
+
+    context = (
+        f"NEMESIS_SEED={SEED}; replay the plan with: uv run python scripts/nemesis.py "
+        f"--seed {SEED} --topology {topology} --seconds {RUN_SECONDS:g}\n"
+        f"{report.summary()}\n{report.describe_violations()}"
+    )
+    assert report.ok, context
+    # The run did what it claims: many bodies of every kind, under every scenario.
+    stats = report.verdict.stats
+    assert stats.get("bodies", 0) >= 100, context
+    assert stats["kinds"].get("handover", 0) > 0, context
+    faults = report.faults_by_kind()
+    assert faults["handoff-stall"] >= 1, context
+    assert faults["nested-reset"] >= 1, context
+    if topology == "quorum":
+        assert faults["side-hold"] >= 1, context

@@ -1,0 +1,67 @@
+"""The watchdog: renewals keep held locks alive, and find out when they are gone.
+
+Renewal runs in one lane per Redis; these tests check what a holder sees
+when renewals race its own extend() and release, when a lock_lost receiver
+fails, and when an operator resets the lock under it.
+"""
+
+from __future__ import annotations
+
+import random
+import time
+
+import pytest
+
+from django_redis_mutex import LockLost, Mutex, mutex, reset, signals
+from django_redis_mutex.watchdog import get_watchdog
+
+from .conftest import wait_until
+
+
+def test_failing_lock_lost_receiver_does_not_stop_renewal_of_other_locks(raw):
+    def broken_receiver(**kwargs):
+        raise RuntimeError("metrics backend down")
+
+    signals.lock_lost.connect(broken_receiver)
+    try:
+        survivor = Mutex("survivor", ttl=0.6)
+        victim = Mutex("victim", ttl=0.6)
+        assert survivor.acquire() and victim.acquire()
+        raw.delete(victim.keys.lock)  # the watchdog finds it gone: lock_lost is sent
+        assert wait_until(lambda: victim.lost, timeout=5)
+        time.sleep(1.5)  # past two of the survivor's leases: only renewal keeps it
+        assert survivor.owned()
+        survivor.release()
+    finally:
+        signals.lock_lost.disconnect(broken_receiver)
+
+
+def test_extend_racing_a_renewal_keeps_the_longer_lease():
+    lock = Mutex("extended", ttl=0.6)
+    assert lock.acquire()
+    for _ in range(10):
+        lock.extend(30)
+        time.sleep(0.05)
+    time.sleep(0.8)  # any renewal to the old 0.6 s lease would have landed by now
+    assert lock.ttl() > 20
+    lock.release()
+
+
+def test_clean_exit_never_reports_lost_when_release_races_a_renewal():
+    # Holds end anywhere from before the first renewal (a third into the
+    # 60 ms lease) to well after it, so releases meet renewals in flight.
+    # The lease is long enough that only a stall of the whole process could
+    # let it lapse for real.
+    # A block's exit raises LockLost if it took a race for a loss.
+    for i in range(300):
+        with mutex(f"race-{i % 5}", ttl=0.06) as lock:
+            time.sleep(random.uniform(0, 0.04))
+        assert not lock.lost
+
+
+def test_a_lock_reset_under_its_holder_is_still_reported_lost():
+    with pytest.raises(LockLost), mutex("really-lost", ttl=0.3) as lock:
+        reset("really-lost")
+        assert wait_until(lambda: lock.lost, timeout=5)
+        hold = lock._hold
+    assert not get_watchdog().watching(hold)
