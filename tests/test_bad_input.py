@@ -288,6 +288,28 @@ def test_system_check_reports_mutex_block_on_non_redis_cache():
     assert "'local'" in errors[0].msg
 
 
+def test_system_check_reports_quorum_members_that_are_missing_or_not_redis():
+    caches = caches_plus("local", {**LOCMEM})
+    caches["default"]["MUTEX"] = {
+        **caches["default"]["MUTEX"],
+        "QUORUM": ["default", "local", "gone"],
+    }
+    with override_settings(CACHES=caches):
+        errors = [e for e in run_checks() if e.id.startswith("django_redis_mutex.")]
+    assert [e.id for e in errors] == ["django_redis_mutex.E003"] * 2
+    assert "'local'" in errors[0].msg and "not a Redis cache" in errors[0].msg
+    assert "'gone'" in errors[1].msg and "not configured" in errors[1].msg
+
+
+def test_system_check_warns_about_a_lower_case_mutex_key():
+    caches = copy.deepcopy(settings.CACHES)
+    caches["default"]["mutex"] = {"TTL": 5}
+    with override_settings(CACHES=caches):
+        messages = [e for e in run_checks() if e.id.startswith("django_redis_mutex.")]
+    assert [e.id for e in messages] == ["django_redis_mutex.W001"]
+    assert "'mutex'" in messages[0].msg
+
+
 def test_check_command_fails_on_bad_settings():
     with (
         override_settings(CACHES=caches_with(BLOCKING="sometimes")),

@@ -37,7 +37,7 @@ from hypothesis import strategies as st
 from redis.crc import key_slot
 
 from django_redis_mutex import Mutex, held_locks, mutex, reset, reset_all
-from django_redis_mutex.exceptions import LockBackendUnavailable
+from django_redis_mutex.exceptions import LockBackendUnavailable, LockLost, LockNotOwned
 from django_redis_mutex.testing import free_port
 
 from .conftest import ROOT, caches_with
@@ -177,6 +177,22 @@ def lock_value(lock: Mutex, option: str) -> Any:
     return lock.lease if option == "ttl" else lock.timeout
 
 
+# A lease this short can run out between two lines of a test, so a row below it
+# is proven by the lease lapsing on its own rather than by listing the lock.
+LAPSING_LEASE = 0.05
+
+
+def lapses(option: str, verdict: Works) -> bool:
+    return option == "ttl" and verdict.value < LAPSING_LEASE
+
+
+def name_is_free_once_the_lease_lapses() -> None:
+    """Another owner takes "x" with nobody releasing it: the short lease was used."""
+    other = Mutex("x", timeout=5, reentrant=False, watchdog=False)
+    assert other.acquire()
+    other.release()
+
+
 def assert_same(actual: Any, expected: Any) -> None:
     if isinstance(expected, float) and math.isnan(expected):
         assert math.isnan(actual)
@@ -198,7 +214,13 @@ def test_option_row_on_mutex_class(
     lock = Mutex("x", watchdog=False, **{option: value})
     assert_same(lock_value(lock, option), verdict.value)
     assert lock.acquire()
-    lock.release()
+    if lapses(option, verdict):
+        name_is_free_once_the_lease_lapses()
+        with pytest.raises(LockNotOwned):
+            lock.release()
+    else:
+        assert [h.name for h in held_locks()] == ["x"]
+        lock.release()
     assert held_locks() == []
 
 
@@ -213,9 +235,14 @@ def test_option_row_on_mutex_function(
         assert str(info.value).startswith(option)
         assert namespace_keys() == []
         return
-    with mutex("x", watchdog=False, **{option: value}) as lock:
-        assert_same(lock_value(lock, option), verdict.value)
-        assert [h.name for h in held_locks()] == ["x"]
+    if lapses(option, verdict):
+        with pytest.raises(LockLost), mutex("x", watchdog=False, **{option: value}) as lock:
+            assert_same(lock_value(lock, option), verdict.value)
+            name_is_free_once_the_lease_lapses()
+    else:
+        with mutex("x", watchdog=False, **{option: value}) as lock:
+            assert_same(lock_value(lock, option), verdict.value)
+            assert [h.name for h in held_locks()] == ["x"]
     assert held_locks() == []
 
 
@@ -233,7 +260,12 @@ def test_option_row_in_settings_block(
         lock = Mutex("x", watchdog=False)
         assert_same(lock_value(lock, option), verdict.value)
         assert lock.acquire()
-        lock.release()
+        if lapses(option, verdict):
+            name_is_free_once_the_lease_lapses()
+            with pytest.raises(LockNotOwned):
+                lock.release()
+        else:
+            lock.release()
     assert held_locks() == []
 
 

@@ -19,13 +19,16 @@ from collections.abc import Iterator
 from dataclasses import fields
 from io import StringIO
 from typing import Any
+from urllib.parse import urlsplit
 
 import pytest
 import redis
+from django.conf import settings as django_settings
 from django.core.cache import caches
 from django.core.management import CommandError, call_command
 
 from django_redis_mutex import HeldLock, LockNotOwned, Mutex, held_locks
+from django_redis_mutex.management.commands.locks import describe_redis
 from django_redis_mutex.testing import free_port
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -36,6 +39,12 @@ def locks(*args: str) -> str:
     out = StringIO()
     call_command("locks", *args, stdout=out)
     return out.getvalue()
+
+
+def redis_address() -> str:
+    """Return the session Redis as the command names it: scheme, host, port and db only."""
+    url = urlsplit(django_settings.CACHES["default"]["LOCATION"])
+    return f"redis://{url.hostname}:{url.port}/{url.path.lstrip('/') or 0}"
 
 
 @pytest.fixture
@@ -75,7 +84,8 @@ def other_alias(settings: Any, mutex_prefix: str) -> str:
 def test_table_lists_held_lock_with_owner(held: list[Mutex]) -> None:
     hold(held, "inventory", label="nightly import")
     out = locks()
-    header, row, footer = out.splitlines()
+    source, header, row, footer = out.splitlines()
+    assert source == f"Cache 'default' at {redis_address()}:"
     assert header.split() == [
         "NAME",
         "HOST",
@@ -98,7 +108,36 @@ def test_table_lists_held_lock_with_owner(held: list[Mutex]) -> None:
 
 
 def test_table_says_so_when_nothing_is_held() -> None:
-    assert locks() == "No locks are held in cache 'default'.\n"
+    assert locks() == (
+        f"Cache 'default' at {redis_address()}:\nNo locks are held in cache 'default'.\n"
+    )
+
+
+def test_table_names_each_master_of_a_quorum(settings: Any) -> None:
+    default = settings.CACHES["default"]
+    settings.CACHES = {
+        **settings.CACHES,
+        "m1": {**default, "KEY_PREFIX": "m1"},
+        "m2": {**default, "KEY_PREFIX": "m2"},
+        "q": {**default, "MUTEX": {**default["MUTEX"], "QUORUM": ["m1", "m2"]}},
+    }
+    address = redis_address()
+    assert locks("--using", "q").splitlines() == [
+        f"Cache 'q' (a quorum of 'm1' at {address}; 'm2' at {address}):",
+        "No locks are held in cache 'q'.",
+    ]
+
+
+def test_redis_is_described_without_its_password(settings: Any) -> None:
+    # Describing builds the client but never connects, so no server is needed.
+    settings.CACHES = {
+        **settings.CACHES,
+        "secret": {
+            "BACKEND": "django_redis.cache.RedisCache",
+            "LOCATION": "redis://locks:s3cret@127.0.0.1:1/3",
+        },
+    }
+    assert describe_redis("secret") == "redis://127.0.0.1:1/3"
 
 
 def test_json_is_an_array_of_heldlock_fields(held: list[Mutex]) -> None:

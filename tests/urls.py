@@ -1,5 +1,5 @@
 from django.contrib import admin
-from django.urls import path
+from django.urls import path, re_path
 
 from tests.testapp import views
 
@@ -14,6 +14,8 @@ urlpatterns = [
     path("async-items/<int:pk>/", views.AsyncItemView.as_view()),
     path("counters/<int:pk>/bump/", views.bump),
     path("busy/", views.busy),
+    # Any characters at all, newlines and slashes included (<path:> stops at a newline).
+    re_path(r"^documents/(?P<key>(?s:.+))/$", views.document),
     path("async-busy/", views.async_busy),
     path("unavailable/", views.unavailable),
     path("async-unavailable/", views.async_unavailable),

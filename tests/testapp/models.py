@@ -31,3 +31,50 @@ class FencedRecord(FencedModel):
         return self.name
 
     written_by = models.CharField(max_length=50, default="")
+
+
+class FenceOwner(models.Model):
+    """Who a fenced row belongs to: lets tests filter fenced querysets through a relation."""
+
+    name = models.CharField(max_length=50, unique=True)
+
+    def __str__(self) -> str:
+        return self.name
+
+
+class FencedParent(FencedModel):
+    """A concrete fenced model with children: its table holds ``last_fence`` for them too."""
+
+    name = models.CharField(max_length=50, unique=True)
+    value = models.IntegerField(default=0)
+    owner = models.ForeignKey(FenceOwner, null=True, blank=True, on_delete=models.SET_NULL)
+
+    def __str__(self) -> str:
+        return self.name
+
+
+class FencedChild(FencedParent):
+    """A multi-table child: its own columns are in another table than ``last_fence``."""
+
+    detail = models.CharField(max_length=50, default="")
+    written_by = models.CharField(max_length=50, default="")
+
+    def __str__(self) -> str:
+        return f"{self.name} ({self.detail})"
+
+
+class FenceNote(models.Model):
+    """A second concrete parent with a key of its own, for multiple inheritance."""
+
+    code = models.AutoField(primary_key=True)
+    note = models.CharField(max_length=50, default="")
+
+    def __str__(self) -> str:
+        return self.note
+
+
+class FencedNotedChild(FencedParent, FenceNote):
+    """Fenced through its first parent; the row of its second parent has another key."""
+
+    def __str__(self) -> str:
+        return f"{self.name} ({self.note})"

@@ -75,6 +75,12 @@ async def async_busy(request: HttpRequest) -> JsonResponse:
     return await sync_to_async(held_now)()
 
 
+@mutex("doc:{key}", blocking=False)
+def document(request: HttpRequest, key: str) -> JsonResponse:
+    """Guarded by a lock named from free text in the URL (any characters, slashes too)."""
+    return held_now()
+
+
 @mutex("flaky", using="down")
 def unavailable(request: HttpRequest) -> JsonResponse:
     """Guarded by a lock on the test's "down" alias, whose Redis does not answer."""

@@ -2,7 +2,15 @@
 
 A thin shell over :mod:`django_redis_mutex.introspection`, which the admin
 inspector shares, so both see and reset exactly the same keys (found with SCAN
-within this app's namespace, never KEYS, never FLUSHDB).
+within this app's namespace, never KEYS, never FLUSHDB). ``--using`` may name a
+quorum alias (one whose MUTEX block has a QUORUM): its locks are listed when a
+majority of the masters hold them and reset on every master. A member alias of
+a quorum is refused for resets, which would clear one master only.
+
+Lock names and labels are often built from request data, so the table shows
+every field with control and bidi characters escaped (``\\x1b``, ``\\u202e``):
+a name cannot clear the operator's screen, retitle the terminal or reorder
+what is printed after it. ``--json`` keeps the exact values (JSON escapes them).
 """
 
 from __future__ import annotations
@@ -15,8 +23,17 @@ from typing import Any
 from django.core.exceptions import ImproperlyConfigured
 from django.core.management.base import BaseCommand, CommandError, CommandParser
 
+from django_redis_mutex.client import get_client
+from django_redis_mutex.display import terminal_safe
 from django_redis_mutex.exceptions import LockBackendUnavailable
-from django_redis_mutex.introspection import HeldLock, held_locks, reset, reset_all
+from django_redis_mutex.introspection import (
+    HeldLock,
+    ensure_resettable,
+    held_locks,
+    quorum_members,
+    reset,
+    reset_all,
+)
 
 COLUMNS = ("NAME", "HOST", "PID", "THREAD", "LABEL", "HELD FOR", "TTL LEFT", "FENCE", "WAITERS")
 
@@ -36,14 +53,46 @@ def duration(seconds: float) -> str:
 
 
 def _cell(value: Any) -> str:
-    return "-" if value in (None, "") else str(value)
+    return "-" if value in (None, "") else terminal_safe(str(value))
+
+
+def describe_redis(alias: str) -> str:
+    """Return where the client of ``alias`` reads: a URL, a Sentinel service, a cluster node.
+
+    Built from the client's connection settings, never from LOCATION, so no
+    password (which a LOCATION may carry) is ever printed.
+    """
+    client = get_client(alias)
+    default_node = getattr(client, "get_default_node", None)
+    if default_node is not None:  # redis.cluster.RedisCluster
+        node = default_node()
+        where = "?" if node is None else f"{node.host}:{node.port}"
+        return f"Redis Cluster via node {where}"
+    pool = client.connection_pool
+    kwargs = pool.connection_kwargs
+    db = kwargs.get("db", 0)
+    service = getattr(pool, "service_name", None)
+    if service is not None:  # a Sentinel-managed master
+        sentinels = ", ".join(
+            "{host}:{port}".format(**sentinel.connection_pool.connection_kwargs)
+            for sentinel in pool.sentinel_manager.sentinels
+        )
+        return f"Sentinel service {service!r} db {db} via {sentinels}"
+    if kwargs.get("path"):
+        return f"unix://{kwargs['path']}?db={db}"
+    connection_class = getattr(pool, "connection_class", None)
+    scheme = "rediss" if "SSL" in getattr(connection_class, "__name__", "") else "redis"
+    host = kwargs.get("host", "localhost")
+    if ":" in str(host):
+        host = f"[{host}]"  # an IPv6 address
+    return f"{scheme}://{host}:{kwargs.get('port', 6379)}/{db}"
 
 
 def table_rows(locks: list[HeldLock]) -> list[tuple[str, ...]]:
-    """Return one row of display strings per lock, in COLUMNS order."""
+    """Return one row of display strings per lock, in COLUMNS order, escaped for a terminal."""
     return [
         (
-            lock.name,
+            terminal_safe(lock.name),
             _cell(lock.owner.get("host")),
             _cell(lock.owner.get("pid")),
             _cell(lock.owner.get("thread")),
@@ -72,7 +121,10 @@ class Command(BaseCommand):
         parser.add_argument(
             "--using",
             default="default",
-            help='Nominates the cache alias whose locks to show or reset. Defaults to "default".',
+            help=(
+                "Nominates the cache alias whose locks to show or reset; a quorum alias "
+                'covers all of its masters. Defaults to "default".'
+            ),
         )
         action = parser.add_mutually_exclusive_group()
         action.add_argument(
@@ -120,12 +172,26 @@ class Command(BaseCommand):
         except ImproperlyConfigured as exc:
             raise CommandError(str(exc)) from exc
         except LockBackendUnavailable as exc:
-            cause = exc.__cause__ or exc
-            raise CommandError(f"Redis for cache {alias!r} is unavailable: {cause}") from exc
-        except (TypeError, ValueError) as exc:  # a lock name that cannot exist
+            if exc.__cause__ is None:
+                # A quorum's own error already names the masters it could not reach.
+                raise CommandError(str(exc)) from exc
+            raise CommandError(
+                f"Redis for cache {alias!r} is unavailable: {exc.__cause__}"
+            ) from exc
+        except (TypeError, ValueError) as exc:  # a bad lock name, or a member of a quorum
             raise CommandError(str(exc)) from exc
 
+    def source_line(self, alias: str) -> str:
+        """Return the line naming the cache alias and the Redis (or the masters) it read."""
+        members = quorum_members(alias)
+        if members:
+            where = "; ".join(f"{member!r} at {describe_redis(member)}" for member in members)
+            return f"Cache {alias!r} (a quorum of {where}):"
+        return f"Cache {alias!r} at {describe_redis(alias)}:"
+
     def show_table(self, alias: str, locks: list[HeldLock]) -> None:
+        # Which server was read answers "why is my lock not listed?" at once.
+        self.stdout.write(terminal_safe(self.source_line(alias)))
         if not locks:
             self.stdout.write(f"No locks are held in cache {alias!r}.")
             return
@@ -139,7 +205,9 @@ class Command(BaseCommand):
         self.stdout.write(self.style.MIGRATE_HEADING(line(COLUMNS)))
         for row in rows:
             self.stdout.write(line(row))
-        self.stdout.write(f"{_plural(len(locks), 'lock')} held in cache {alias!r}.")
+        members = quorum_members(alias)
+        where = f" (on a majority of {', '.join(members)})" if members else ""
+        self.stdout.write(f"{_plural(len(locks), 'lock')} held in cache {alias!r}{where}.")
 
     def reset_names(self, alias: str, names: list[str]) -> None:
         for name in names:
@@ -149,6 +217,8 @@ class Command(BaseCommand):
                 self.stdout.write(self.style.WARNING(f"{name!r} was not held."))
 
     def reset_everything(self, alias: str, *, interactive: bool) -> None:
+        # Refuse a member of a quorum before asking, not after a "yes".
+        ensure_resettable(alias)
         if interactive:
             # Counting first also reports a wrong alias or a dead Redis before asking.
             held = len(held_locks(using=alias))
