@@ -1,20 +1,51 @@
 """Settings of the demo project. Run it with ``uv run manage.py demo``.
 
 Redis comes from REDIS_URL; without it, the ``demo`` command starts a private
-redis-server and points the caches at it before anything connects.
+redis-server on a free port, points the caches at it before anything connects
+and writes its URL to ``DEMO_REDIS_URL_FILE`` for as long as it runs, so that
+``manage.py locks`` in a second terminal finds the same server.
 """
 
 import os
+import socket
 from pathlib import Path
+from urllib.parse import urlsplit
 
 BASE_DIR = Path(__file__).resolve().parent.parent
-DATA_DIR = BASE_DIR / ".demo"
+# The demo's SQLite database and the URL of its running Redis (git-ignored).
+# DEMO_DATA_DIR moves them, so a second demo never shares the first one's files.
+DATA_DIR = Path(os.environ.get("DEMO_DATA_DIR") or BASE_DIR / ".demo")
+DEMO_REDIS_URL_FILE = DATA_DIR / "redis-url"
+# Port 1 (tcpmux) is served by nothing here: without a demo running, commands
+# fail fast with "connection refused" instead of touching a Redis on 6379.
+NO_REDIS_URL = "redis://127.0.0.1:1/0"
+# How long the demo's "Hold the inventory lock" button holds it.
+DEMO_HOLD_SECONDS = int(os.environ.get("DEMO_HOLD_SECONDS", "20"))
+
+
+def _running_demo_redis() -> str | None:
+    """Return the URL a running demo recorded, or None when absent or stale.
+
+    The file outlives a demo killed with SIGKILL; a URL whose port nobody
+    answers on is stale and ignored.
+    """
+    try:
+        url = DEMO_REDIS_URL_FILE.read_text(encoding="utf-8").split()[0]
+    except (OSError, IndexError):
+        return None
+    parts = urlsplit(url)
+    try:
+        with socket.create_connection((parts.hostname or "", parts.port or 0), timeout=0.5):
+            return url
+    except (OSError, ValueError):
+        return None
+
 
 SECRET_KEY = os.environ.get("DJANGO_SECRET_KEY", "demo-only-not-secret")
 DEBUG = True
 ALLOWED_HOSTS = ["127.0.0.1", "localhost"]
 
-REDIS_URL = os.environ.get("REDIS_URL", "redis://127.0.0.1:6379/0")
+REDIS_URL = os.environ.get("REDIS_URL") or _running_demo_redis() or NO_REDIS_URL
 
 CACHES = {
     # The project's ordinary cache...
@@ -69,11 +100,16 @@ TEMPLATES = [
 DATABASES = {"default": {"ENGINE": "django.db.backends.sqlite3", "NAME": DATA_DIR / "demo.sqlite3"}}
 
 USE_TZ = True
+# Explicit, not the machine's zone: the pages show lock times with the zone name.
+TIME_ZONE = "UTC"
 STATIC_URL = "static/"
 DEFAULT_AUTO_FIELD = "django.db.models.BigAutoField"
 LOGGING = {
     "version": 1,
     "disable_existing_loggers": False,
     "handlers": {"console": {"class": "logging.StreamHandler"}},
-    "loggers": {"django_redis_mutex": {"handlers": ["console"], "level": "INFO"}},
+    "loggers": {
+        "django_redis_mutex": {"handlers": ["console"], "level": "INFO"},
+        "testproject": {"handlers": ["console"], "level": "INFO"},
+    },
 }

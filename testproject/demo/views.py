@@ -1,17 +1,49 @@
 """Demo views: the inventory page, its locked actions, and a lock you can hold on purpose."""
 
+import logging
 import threading
+from urllib.parse import urlsplit
 
+from django.conf import settings
 from django.contrib import messages
 from django.http import HttpRequest, HttpResponse
 from django.shortcuts import get_object_or_404, redirect, render
 from django.views.decorators.http import require_POST
 
-from django_redis_mutex import LockBackendUnavailable, Mutex, held_locks, mutex
+from django_redis_mutex import (
+    LockBackendUnavailable,
+    LockLost,
+    LockNotOwned,
+    Mutex,
+    held_locks,
+    mutex,
+)
 
 from .models import Product
 
-HOLD_SECONDS = 20
+log = logging.getLogger(__name__)
+
+
+def _redis_address() -> str:
+    """Return host:port of the default cache's Redis, for messages people read."""
+    location = settings.CACHES["default"]["LOCATION"]
+    first = location if isinstance(location, str) else next(iter(location), "")
+    parts = urlsplit(first)
+    return f"{parts.hostname}:{parts.port}" if parts.hostname else str(location)
+
+
+def redis_down_message(exc: LockBackendUnavailable) -> str:
+    """Say that Redis is down in words for the page, from the error's cause.
+
+    The exception's own text names the lock being handled, which for a listing
+    is the internal wildcard; the page names the server and the reason instead.
+    """
+    cause = exc.__cause__ or exc.__context__
+    reason = f" ({cause})" if cause else ""
+    return (
+        f"Redis at {_redis_address()} cannot be reached right now{reason}, so the "
+        "locks cannot be listed and reservations answer 503 until it is back."
+    )
 
 
 def inventory(request: HttpRequest) -> HttpResponse:
@@ -19,7 +51,7 @@ def inventory(request: HttpRequest) -> HttpResponse:
         locks = held_locks()
         redis_error = ""
     except LockBackendUnavailable as exc:
-        locks, redis_error = [], str(exc)
+        locks, redis_error = [], redis_down_message(exc)
     return render(
         request,
         "demo/inventory.html",
@@ -27,7 +59,7 @@ def inventory(request: HttpRequest) -> HttpResponse:
             "products": Product.objects.all(),
             "locks": locks,
             "redis_error": redis_error,
-            "hold_seconds": HOLD_SECONDS,
+            "hold_seconds": settings.DEMO_HOLD_SECONDS,
         },
     )
 
@@ -50,25 +82,36 @@ def reserve(request: HttpRequest, pk: int) -> HttpResponse:
     return redirect("inventory")
 
 
-def _hold(lock: Mutex) -> None:
+def _hold(lock: Mutex, seconds: float) -> None:
+    """Hold ``lock`` for ``seconds``, then release it.
+
+    Someone may force-release the lock meanwhile (admin, ``locks --reset``) or
+    Redis may go away: that is what the demo is for, so it is one log line,
+    not a thread dying with a traceback.
+    """
+    threading.Event().wait(seconds)
     try:
-        threading.Event().wait(HOLD_SECONDS)
-    finally:
         lock.release()
+    except (LockNotOwned, LockLost, LockBackendUnavailable) as exc:
+        log.warning("The held inventory lock was already gone at release: %s", exc)
 
 
 @require_POST
 def hold(request: HttpRequest) -> HttpResponse:
-    """Take the "inventory" lock for 20 s in a background thread.
+    """Take the "inventory" lock for DEMO_HOLD_SECONDS (20 s) in a background thread.
 
     Reserve from another tab meanwhile: it waits 2 s, then gets the 503 page.
     """
-    lock = Mutex("inventory", label=f"held on purpose for {HOLD_SECONDS}s", timeout=0)
-    if lock.acquire(blocking=False):
-        threading.Thread(target=_hold, args=(lock,), daemon=True).start()
-        messages.info(
-            request, f"Holding the inventory lock for {HOLD_SECONDS}s (fence {lock.fence})."
-        )
+    seconds = settings.DEMO_HOLD_SECONDS
+    lock = Mutex("inventory", label=f"held on purpose for {seconds}s", timeout=0)
+    try:
+        acquired = lock.acquire(blocking=False)
+    except LockBackendUnavailable as exc:
+        messages.error(request, redis_down_message(exc))
+        return redirect("inventory")
+    if acquired:
+        threading.Thread(target=_hold, args=(lock, seconds), daemon=True).start()
+        messages.info(request, f"Holding the inventory lock for {seconds}s (fence {lock.fence}).")
     else:
         messages.warning(request, "The inventory lock is already held.")
     return redirect("inventory")

@@ -6,6 +6,8 @@ import os
 import signal
 import subprocess
 import sys
+import time
+from types import FrameType
 from typing import Any
 
 from django.conf import settings
@@ -15,9 +17,63 @@ from django.core.management.base import BaseCommand
 
 from django_redis_mutex.testing import RedisServer
 
+from ...process import die_with_parent
+
 DEMO_USER = "admin"
 DEMO_PASSWORD = "admin"
 PRODUCTS = {"Espresso beans": 40, "Paper filters": 120, "Grinder": 5}
+
+
+class DemoStopped(SystemExit):
+    """Raised from the SIGTERM/SIGHUP handler so the demo's cleanup runs."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(128 + signum)  # the exit status a shell shows for a signal
+        self.signum = signum
+
+
+class DemoRedisServer(RedisServer):
+    """A private redis-server that the kernel stops if the demo dies unannounced.
+
+    The demo stops its server itself on Ctrl-C, SIGTERM and SIGHUP; the
+    parent-death signal covers SIGKILL and crashes, where no Python code runs.
+    """
+
+    def start(self, timeout: float = 10.0) -> DemoRedisServer:
+        """Start the server (as RedisServer does) and return once it answers PING."""
+        args = [
+            self.binary,
+            *("--port", str(self.port), "--bind", "127.0.0.1"),
+            *("--save", "", "--appendonly", "no", "--dir", self._dir),
+            *("--daemonize", "no", "--protected-mode", "no", "--logfile", self.logfile),
+            *self.extra_args,
+        ]
+        parent = os.getpid()
+        self.process = subprocess.Popen(
+            args,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,  # Ctrl-C in the terminal is the demo's to handle
+            preexec_fn=lambda: die_with_parent(parent),
+        )
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.process.poll() is not None:
+                raise RuntimeError(f"redis-server exited at start: {self.log_tail()}")
+            if self.ping():
+                return self
+            time.sleep(0.01)
+        self.kill()
+        raise TimeoutError(f"redis-server on port {self.port} did not answer within {timeout}s")
+
+    @property
+    def folder(self) -> str:
+        """The server's temporary working folder (removed by close())."""
+        return self._dir
+
+
+def _stop_on_signal(signum: int, frame: FrameType | None) -> None:
+    raise DemoStopped(signum)
 
 
 class Command(BaseCommand):
@@ -33,18 +89,33 @@ class Command(BaseCommand):
         )
 
     def handle(self, *args: Any, **options: Any) -> None:
-        server = workers = None
-        if not os.environ.get("REDIS_URL"):
-            server = RedisServer().start()
-            for entry in settings.CACHES.values():
-                entry["LOCATION"] = server.url
-            os.environ["REDIS_URL"] = server.url  # for the worker process
-            self.stdout.write(f"Started a private Redis at {server.url} ({server.binary}).")
+        server: DemoRedisServer | None = None
+        workers: subprocess.Popen[bytes] | None = None
+        url_file = settings.DEMO_REDIS_URL_FILE
+        # A closed terminal (SIGHUP) or a plain `kill` (SIGTERM) must clean up
+        # like Ctrl-C does, or the private redis-server is orphaned.
+        for signum in (signal.SIGTERM, signal.SIGHUP):
+            signal.signal(signum, _stop_on_signal)
         try:
+            if not os.environ.get("REDIS_URL"):
+                server = DemoRedisServer()
+                server.start()
+                for entry in settings.CACHES.values():
+                    entry["LOCATION"] = server.url
+                os.environ["REDIS_URL"] = server.url  # for the worker process
+                settings.DATA_DIR.mkdir(parents=True, exist_ok=True)
+                url_file.write_text(server.url + "\n", encoding="utf-8")
+                assert server.process is not None
+                self.stdout.write(
+                    f"Started a private Redis at {server.url} (pid {server.process.pid}, "
+                    f"folder {server.folder}, {server.binary}); "
+                    f"`manage.py locks` finds it through {url_file}."
+                )
             self._prepare_database()
             if options["workers"]:
                 workers = subprocess.Popen(
-                    [sys.executable, sys.argv[0], "demo_workers"], env=dict(os.environ)
+                    [sys.executable, sys.argv[0], "demo_workers"],
+                    env={**os.environ, "DEMO_PARENT_PID": str(os.getpid())},
                 )
             self.stdout.write(
                 self.style.SUCCESS(
@@ -54,21 +125,40 @@ class Command(BaseCommand):
             call_command("runserver", options["addrport"], use_reloader=False)
         except KeyboardInterrupt:
             self.stdout.write("Stopping the demo.")
+        except DemoStopped as stopped:
+            self.stdout.write(f"Stopping the demo ({signal.Signals(stopped.signum).name}).")
+            raise
         finally:
             # Ctrl-C reaches every process of the terminal's group, and uv
-            # forwards it once more: a second SIGINT must not cut the cleanup.
-            signal.signal(signal.SIGINT, signal.SIG_IGN)
+            # forwards it once more: a second signal must not cut the cleanup.
+            for signum in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+                signal.signal(signum, signal.SIG_IGN)
             if workers is not None:
                 workers.terminate()
-                workers.wait(10)
+                try:
+                    workers.wait(10)
+                except subprocess.TimeoutExpired:
+                    workers.kill()
+                    workers.wait()
             if server is not None:
+                self._forget_url(server.url)
                 server.close()
                 self.stdout.write("Stopped the private Redis.")
+            self.stdout.flush()
+
+    def _forget_url(self, url: str) -> None:
+        """Remove the URL file, unless another demo has written its own since."""
+        url_file = settings.DEMO_REDIS_URL_FILE
+        try:
+            if url_file.read_text(encoding="utf-8").strip() == url:
+                url_file.unlink()
+        except OSError:
+            pass
 
     def _prepare_database(self) -> None:
         from testproject.demo.models import Product
 
-        settings.DATA_DIR.mkdir(exist_ok=True)
+        settings.DATA_DIR.mkdir(parents=True, exist_ok=True)
         call_command("migrate", interactive=False, verbosity=0)
         user_model = get_user_model()
         if not user_model.objects.filter(username=DEMO_USER).exists():

@@ -1,0 +1,290 @@
+"""The demo project, run as a person runs it, driven by headless chromium.
+
+``manage.py demo`` starts as a real subprocess with its own private
+redis-server (no REDIS_URL), on a free port and in a data folder of its own;
+the tests click through it in Debian's chromium via Playwright, talk to it
+with ``manage.py locks`` as a second terminal would, and signal it the way a
+terminal or a process manager does. See tests/demo_server.py.
+"""
+
+from __future__ import annotations
+
+import re
+import signal
+import time
+from collections.abc import Iterator
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from django_redis_mutex.testing import free_port
+
+from .demo_server import Demo, pid_alive, wait_for
+from .test_admin_browser import CHROMIUM, CHROMIUM_ARGS
+
+pytestmark = pytest.mark.browser
+
+# Long enough that a second tab's reserve (2 s lock timeout) surely meets the
+# held lock on a busy machine, short enough that the test waits it out.
+HOLD_SECONDS = 10
+VIEWPORT = {"width": 1280, "height": 800}
+LOCKS_URL = "/admin/django_redis_mutex/lock/"
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+# How many lines a cell's text takes: one client rect per line box.
+LINE_COUNT = """cell => {
+    const range = document.createRange();
+    range.selectNodeContents(cell);
+    return new Set([...range.getClientRects()].map(rect => Math.round(rect.top))).size;
+}"""
+
+
+@pytest.fixture(scope="module")
+def demo(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Demo]:
+    """One demo for the module's browser tests; everything it started is killed after."""
+    running = Demo(tmp_path_factory.mktemp("demo"), hold_seconds=HOLD_SECONDS)
+    try:
+        yield running.start()
+    finally:
+        running.kill_all()
+    # Nothing of it is left: not the demo, its workers, nor its redis-server.
+    wait_for(lambda: not running.processes(), 30, "every process of the demo to end")
+    assert not pid_alive(running.redis_pid)
+    assert not running.redis_folder.exists()
+
+
+@pytest.fixture
+def browser(playwright_api: Any) -> Iterator[Any]:
+    """A headless chromium, closed at the end."""
+    with playwright_api.sync_playwright() as pw:
+        chromium = pw.chromium.launch(
+            executable_path=str(CHROMIUM), headless=True, args=CHROMIUM_ARGS
+        )
+        try:
+            yield chromium
+        finally:
+            chromium.close()
+
+
+@pytest.fixture
+def playwright_api() -> Any:
+    """Return playwright.sync_api, or skip when no chromium can be had here."""
+    if not CHROMIUM.exists():
+        pytest.skip(f"No chromium at {CHROMIUM}: install Debian's (apt-get install -y chromium).")
+    return pytest.importorskip("playwright.sync_api")
+
+
+def assert_png(path: Path) -> None:
+    """A real screenshot: a non-empty PNG file."""
+    data = path.read_bytes()
+    assert data.startswith(PNG_MAGIC) and len(data) > 5_000, path
+
+
+def assert_no_traceback(output: str) -> None:
+    """The demo's threads handled every lock error themselves."""
+    assert "Traceback" not in output, output
+    assert "Exception in thread" not in output, output
+
+
+def reserve(page: Any) -> Any:
+    """Reserve paper filters; return the reserve POST's response.
+
+    Not product 1: the background workers take its lock too, which would
+    make a 503 that has nothing to do with the inventory lock.
+    """
+    with page.expect_response(lambda r: "/reserve/" in r.url) as response:
+        page.locator("tr", has_text="Paper filters").locator("button").click()
+    return response.value
+
+
+def test_second_tab_gets_503_while_the_inventory_lock_is_held(
+    demo: Demo, browser: Any, playwright_api: Any, tmp_path: Path
+) -> None:
+    expect = playwright_api.expect
+    context = browser.new_context(viewport=VIEWPORT)
+    page_a = context.new_page()
+    page_a.goto(demo.url + "/")
+    page_a.locator("#hold-form button").click()
+    expect(page_a.locator(".msg")).to_contain_text("Holding the inventory lock")
+    expect(page_a.locator('tr[data-lock="inventory"]')).to_contain_text("held on purpose")
+    expect(page_a.locator('tr[data-lock="inventory"] time')).to_contain_text("UTC")
+    page_a.screenshot(path=str(tmp_path / "holding.png"))
+
+    page_b = context.new_page()
+    page_b.goto(demo.url + "/")
+    refused = reserve(page_b)
+    assert refused.status == 503
+    assert int(refused.headers["retry-after"]) >= 1
+    expect(page_b.locator("h1")).to_have_text("Someone else is working on this right now")
+    page_b.screenshot(path=str(tmp_path / "refused.png"))
+
+    # The hold ends by itself after HOLD_SECONDS; then reserving works again.
+    def released() -> bool:
+        page_a.reload()
+        count: int = page_a.locator('tr[data-lock="inventory"]').count()
+        return count == 0
+
+    wait_for(released, HOLD_SECONDS + 30, "the held inventory lock to be released", 0.5)
+    page_b.goto(demo.url + "/")
+    accepted = reserve(page_b)
+    assert accepted.status == 302
+    expect(page_b.locator(".msg.success")).to_contain_text("Reserved one")
+    page_b.screenshot(path=str(tmp_path / "reserved.png"))
+    context.close()
+
+    for name in ("holding.png", "refused.png", "reserved.png"):
+        assert_png(tmp_path / name)
+    assert_no_traceback(demo.output())
+
+
+def test_locks_command_in_a_second_terminal_finds_the_demo_redis(demo: Demo) -> None:
+    assert (demo.data_dir / "redis-url").read_text().strip() == demo.redis_url
+    locks = wait_for(
+        lambda: [lock for lock in demo.held_locks() if "demo worker" in lock["owner"]["label"]],
+        60,
+        "manage.py locks --json to list a demo worker's lock",
+    )
+    worker_locks = {"report:nightly", "sync:crm", "product:1", "billing:run"}
+    assert {lock["name"] for lock in locks} <= worker_locks
+
+
+def test_reset_all_leaves_the_hold_thread_and_workers_running(
+    demo: Demo, browser: Any, playwright_api: Any
+) -> None:
+    expect = playwright_api.expect
+    page = browser.new_context(viewport=VIEWPORT).new_page()
+    page.goto(demo.url + "/")
+    page.locator("#hold-form button").click()
+    expect(page.locator(".msg")).to_contain_text("Holding the inventory lock")
+
+    reset_at = time.time()
+    result = demo.manage("locks", "--reset-all", "--noinput")
+    assert result.returncode == 0, result.stderr
+    assert "Released" in result.stdout
+
+    # Every worker thread takes demo locks again after the reset.
+    seen: set[str] = set()
+
+    def every_worker_acquired_again() -> bool:
+        for lock in demo.held_locks():
+            acquired = datetime.fromisoformat(lock["acquired_at"]).timestamp()
+            if "demo worker" in lock["owner"]["label"] and acquired > reset_at:
+                seen.add(lock["owner"]["label"])
+        return len(seen) == 3
+
+    wait_for(every_worker_acquired_again, 60, f"all 3 workers to acquire again (saw {seen})")
+    # The hold thread meets its reset lock at the end of the hold, and says so.
+    wait_for(
+        lambda: "already gone at release" in demo.output(),
+        HOLD_SECONDS + 30,
+        "the hold thread to report its lock gone",
+    )
+    # A fresh page: the first one reloads itself every few seconds (meta refresh),
+    # and a reload racing that navigation can leave it detached.
+    fresh = page.context.new_page()
+    fresh.goto(demo.url + "/")
+    expect(fresh.locator("tr[data-lock] td:nth-child(2)").first).to_contain_text("demo worker")
+    assert_no_traceback(demo.output())
+
+
+def test_admin_locks_table_fits_1280_pixels(
+    demo: Demo, browser: Any, playwright_api: Any, tmp_path: Path
+) -> None:
+    expect = playwright_api.expect
+    page = browser.new_context(viewport=VIEWPORT).new_page()
+    # The held inventory lock has the widest row: a request thread and a long label.
+    page.goto(demo.url + "/")
+    page.locator("#hold-form button").click()
+    page.goto(f"{demo.url}/admin/login/?next={LOCKS_URL}")
+    page.fill("#id_username", "admin")
+    page.fill("#id_password", "admin")
+    page.click("input[type=submit]")
+    expect(page.locator("h1")).to_have_text("Locks")
+    expect(page.locator("#nav-sidebar")).to_be_visible()  # the sidebar takes its width
+
+    def first_row_is_listed() -> bool:
+        if page.locator("tr.lock-row").count():
+            return True
+        page.reload()
+        return False
+
+    wait_for(first_row_is_listed, 60, "a worker's lock in the admin list", 0.5)
+    held = page.locator('tr[data-lock="inventory"]')
+    expect(held).to_contain_text("held on purpose")
+    page.screenshot(path=str(tmp_path / "admin-locks.png"))
+    for row in (page.locator("tr.lock-row").first, held):
+        for cell in ("input.action-select", "a.deletelink", "td.field-waiters"):
+            box = row.locator(cell).bounding_box()
+            assert box is not None, cell
+            assert box["x"] + box["width"] <= VIEWPORT["width"], (cell, box)
+        # A label wraps onto two lines at most, not a word or two a line.
+        lines = row.locator("td.field-label").evaluate(LINE_COUNT)
+        assert 1 <= lines <= 2, (row.locator("td.field-label").inner_text(), lines)
+    assert_png(tmp_path / "admin-locks.png")
+
+
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGHUP], ids=["SIGTERM", "SIGHUP"])
+def test_demo_stops_its_redis_server_on_signal(tmp_path: Path, signum: int) -> None:
+    demo = Demo(tmp_path / "demo")
+    try:
+        demo.start()
+        assert demo.redis_pid and pid_alive(demo.redis_pid)
+        assert demo.redis_folder.is_dir()
+        assert (demo.data_dir / "redis-url").exists()
+        started = demo.processes()
+        assert demo.redis_pid in started and len(started) >= 3  # demo, redis, workers
+
+        status = demo.signal(signum)
+
+        assert status == 128 + signum, demo.output()
+        wait_for(lambda: not demo.processes(), 30, f"every demo process to end: {started}")
+        assert not pid_alive(demo.redis_pid)
+        assert not demo.redis_folder.exists()
+        assert not (demo.data_dir / "redis-url").exists()
+        assert "Stopped the private Redis." in demo.output()
+        assert_no_traceback(demo.output())
+    finally:
+        demo.kill_all()
+
+
+def test_redis_down_reads_as_plain_words(tmp_path: Path, browser: Any, playwright_api: Any) -> None:
+    expect = playwright_api.expect
+    dead = f"redis://127.0.0.1:{free_port()}/0"  # nothing listens there
+    demo = Demo(tmp_path / "demo", REDIS_URL=dead)
+    try:
+        demo.start()
+        page = browser.new_context(viewport=VIEWPORT).new_page()
+        page.goto(demo.url + "/")
+        error = page.locator("#redis-error")
+        expect(error).to_contain_text("cannot be reached right now")
+        expect(error).to_contain_text(dead.split("/")[2])  # host:port, not a lock name
+        assert "'*'" not in error.inner_text()
+
+        page.goto(f"{demo.url}/admin/login/?next={LOCKS_URL}")
+        page.fill("#id_username", "admin")
+        page.fill("#id_password", "admin")
+        page.click("input[type=submit]")
+        expect(page.locator("#lock-error")).to_be_visible()
+        expect(page.locator(".refresh-state")).to_contain_text("could not be read")
+        expect(page.locator(".refresh-state")).not_to_contain_text("read from Redis")
+
+        # The workers keep trying, one line per failure, until Redis is back.
+        wait_for(lambda: demo.output().count("Retrying in") >= 3, 60, "the workers to retry")
+        assert_no_traceback(demo.output())
+    finally:
+        demo.kill_all()
+
+
+def test_locks_command_without_a_running_demo_never_uses_6379(tmp_path: Path) -> None:
+    # A URL file left by a SIGKILLed demo, whose Redis is gone: stale.
+    demo = Demo(tmp_path / "demo")
+    demo.data_dir.mkdir()
+    (demo.data_dir / "redis-url").write_text(f"redis://127.0.0.1:{free_port()}/0\n")
+
+    result = demo.manage("locks", "--json")
+
+    assert result.returncode != 0
+    said = result.stderr + result.stdout
+    assert re.search(r"127\.0\.0\.1:1\b", said), said  # port 1: nothing serves it
+    assert "6379" not in said
