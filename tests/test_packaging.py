@@ -413,3 +413,39 @@ def test_installed_locks_command_lists_a_held_lock(
     done = _django(installed, project, redis_url, mutex_prefix, "-c", code)
     assert done.returncode == 0, done.stderr
     assert [lock["name"] for lock in json.loads(done.stdout)] == ["packaging:command"]
+
+
+def test_the_package_modules_import_each_other_without_cycles() -> None:
+    """Each module's imports of the package's own modules (lazy ones too) form no cycle.
+
+    A cycle hidden behind a function-level import still ties two modules
+    together: neither can be understood, tested or changed alone.
+    """
+    import ast
+
+    package = Path(__file__).resolve().parent.parent / "django_redis_mutex"
+    modules = {path.stem: path for path in package.glob("*.py") if path.stem != "__init__"}
+    graph: dict[str, set[str]] = {}
+    for name, path in modules.items():
+        imported: set[str] = set()
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.level == 1:
+                if node.module:
+                    imported.add(node.module.split(".")[0])
+                else:
+                    imported.update(alias.name for alias in node.names)
+        graph[name] = {other for other in imported if other in modules and other != name}
+
+    def cycle_from(start: str) -> list[str] | None:
+        stack = [(start, [start])]
+        while stack:
+            node, trail = stack.pop()
+            for nxt in graph[node]:
+                if nxt == start:
+                    return [*trail, start]
+                if nxt not in trail:
+                    stack.append((nxt, [*trail, nxt]))
+        return None
+
+    cycles = [found for name in sorted(graph) if (found := cycle_from(name))]
+    assert cycles == [], f"import cycles between package modules: {cycles}"
