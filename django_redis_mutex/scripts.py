@@ -158,15 +158,15 @@ ACQUIRE = LuaScript(
     + r"""
 local token, ttl, owner, name = ARGV[1], tonumber(ARGV[2]), ARGV[3], ARGV[4]
 local now = now_us()
+if redis.call('EXISTS', KEYS[1], QUEUE) == 0 then
+  -- Free and nobody waiting: the common, uncontended case, in one lookup.
+  return {1, grant(token, ttl, owner, name, now)}
+end
 local holder = redis.call('HGET', KEYS[1], 'token')
 if holder == token then
   forget_waiter(token)
   redis.call('DEL', WAKE_PREFIX .. token)
   return {1, redis.call('HGET', KEYS[1], 'fence'), redis.call('PTTL', KEYS[1])}
-end
-if not holder and redis.call('EXISTS', QUEUE) == 0 then
-  -- Free and nobody waiting: the common, uncontended case.
-  return {1, grant(token, ttl, owner, name, now)}
 end
 local now_ms = math.floor(now / 1000)
 if not holder then
