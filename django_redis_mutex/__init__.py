@@ -14,6 +14,7 @@ from .exceptions import (
 )
 from .introspection import HeldLock, held_locks, reset, reset_all
 from .lock import DEFAULT, Mutex
+from .owners import Owner
 from .quorum import QuorumMutex
 
 __version__ = "0.1.0"
@@ -28,6 +29,7 @@ __all__ = [
     "LockNotOwned",
     "Mutex",
     "MutexContext",
+    "Owner",
     "QuorumMutex",
     "StaleFence",
     "held_locks",

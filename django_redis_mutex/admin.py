@@ -3,7 +3,7 @@
 The unmanaged :class:`~django_redis_mutex.models.Lock` model gives the page its
 place in the admin index and its permissions (``view_lock`` to look,
 ``release_lock`` to force-release); every request is served by
-:mod:`django_redis_mutex.views`, never by a database query.
+:mod:`django_redis_mutex.admin_views`, never by a database query.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from django.contrib.auth import get_permission_codename
 from django.http import HttpRequest, HttpResponse
 from django.urls import URLPattern, path
 
-from . import views
+from . import admin_views
 from .models import Lock
 
 __all__ = ["LockAdmin"]
@@ -52,8 +52,8 @@ class LockAdmin(admin.ModelAdmin):  # type: ignore[type-arg]
     def changelist_view(
         self, request: HttpRequest, extra_context: dict[str, Any] | None = None
     ) -> HttpResponse:
-        return views.lock_list(request, self, extra_context)
+        return admin_views.lock_list(request, self, extra_context)
 
     def release_view(self, request: HttpRequest) -> HttpResponse:
         """Confirm (GET) and perform (POST) a force-release of the selected locks."""
-        return views.release_locks(request, self)
+        return admin_views.release_locks(request, self)

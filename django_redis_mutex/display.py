@@ -1,16 +1,19 @@
-"""Show names and labels from untrusted input as text nobody can be fooled by.
+"""How locks are shown to people: safe text and readable durations.
 
 Lock names and labels are often built from request data. Wherever they are
-shown to a person (the ``locks`` table, the 503 page), characters a terminal
-acts on or that reorder text are shown escaped instead; machine-readable output
-(JSON) keeps the exact value.
+shown to a person (the ``locks`` table, the 503 page, the admin), characters a
+terminal acts on or that reorder text are shown escaped instead;
+machine-readable output (JSON) keeps the exact value. Durations are written
+one way everywhere (:func:`duration`); owners by ``str(Owner)``.
 """
 
 from __future__ import annotations
 
 import unicodedata
 
-__all__ = ["terminal_safe"]
+from django.utils.translation import gettext as _
+
+__all__ = ["duration", "terminal_safe"]
 
 # Characters a terminal acts on or reorders text by instead of showing: C0, DEL
 # and C1 controls (Cc), format characters such as the bidi embeddings,
@@ -43,3 +46,17 @@ def terminal_safe(text: str) -> str:
     if text.isprintable() and "\\" not in text:
         return text  # the common case: nothing to escape
     return "".join(_escape_char(char) for char in text)
+
+
+def duration(seconds: float) -> str:
+    """Return ``seconds`` as a person reads it: "4.2 s", "3 min 05 s", "2 h 10 min", "1 d 03 h"."""
+    if seconds < 60:
+        return _("%(seconds).1f s") % {"seconds": max(seconds, 0.0)}
+    minutes, secs = divmod(int(seconds), 60)
+    if minutes < 60:
+        return _("%(minutes)d min %(seconds)02d s") % {"minutes": minutes, "seconds": secs}
+    hours, minutes = divmod(minutes, 60)
+    if hours < 24:
+        return _("%(hours)d h %(minutes)02d min") % {"hours": hours, "minutes": minutes}
+    days, hours = divmod(hours, 24)
+    return _("%(days)d d %(hours)02d h") % {"days": days, "hours": hours}

@@ -6,7 +6,10 @@ the lock it is about, so a log line or a 503 page can say which lock it was.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from .owners import Owner
 
 __all__ = [
     "LockBackendUnavailable",
@@ -39,14 +42,10 @@ class LockContended(LockError):
         name: str,
         *,
         retry_after: int = 1,
-        owner: dict[str, Any] | None = None,
+        owner: Owner | None = None,
         waited: float = 0.0,
     ) -> None:
-        holder = ""
-        if owner:
-            holder = " by {}".format(
-                ", ".join(f"{k}={v}" for k, v in owner.items() if v not in (None, ""))
-            )
+        holder = f" by {owner}" if owner else ""
         super().__init__(f"Lock {name!r} is held{holder}; retry after {retry_after}s.", name=name)
         self.retry_after = retry_after
         self.owner = owner

@@ -41,7 +41,6 @@ __all__ = [
     "decode",
     "open_scope",
     "owner_metadata",
-    "parse_owner",
     "scoped_hold",
 ]
 
@@ -246,17 +245,6 @@ def scoped_hold(targets: tuple[tuple[str, str], ...]) -> Hold | None:
         if scope.open and hold.active and hold.targets == targets and scope.owner == owner:
             return hold
     return None
-
-
-def parse_owner(raw: Any) -> dict[str, Any] | None:
-    """Return an owner record read from Redis as a dict, or None if absent or unreadable."""
-    if raw is None:
-        return None
-    try:
-        value = json.loads(decode(raw))
-    except ValueError:
-        return None
-    return value if isinstance(value, dict) else None
 
 
 def decode(value: Any) -> str:

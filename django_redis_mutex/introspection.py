@@ -16,8 +16,8 @@ held. For the same reason a plain alias that is a member of a configured
 
 from __future__ import annotations
 
-import json
 import time
+import warnings
 from collections.abc import Iterator, Sequence
 from dataclasses import asdict, dataclass
 from datetime import datetime, timezone
@@ -31,6 +31,7 @@ from .conf import get_settings, validate_aliases
 from .exceptions import LockBackendUnavailable
 from .holds import decode
 from .keys import LockKeys, lock_pattern, validate_name
+from .owners import Owner, parse_owner
 
 __all__ = ["HeldLock", "ensure_resettable", "held_locks", "quorum_members", "reset", "reset_all"]
 
@@ -47,14 +48,14 @@ class HeldLock:
 
     For a quorum lock the fields come from the masters that hold the majority
     token: ``fence`` is the largest fence among them (the fence the holder
-    got), ``ttl`` the time until fewer than a majority still hold the lease,
+    got), ``time_left`` the time until fewer than a majority still hold the lease,
     and ``masters`` how many masters hold it (1 for a single Redis).
     """
 
     name: str
-    owner: dict[str, Any]
+    owner: Owner
     acquired_at: datetime
-    ttl: float
+    time_left: float  # seconds left on the holder's lease
     fence: int
     waiters: int
     masters: int = 1
@@ -64,10 +65,25 @@ class HeldLock:
         """Seconds since the lock was acquired (by this server's clock)."""
         return max(0.0, time.time() - self.acquired_at.timestamp())
 
+    @property
+    def ttl(self) -> float:
+        """Deprecated name of :attr:`time_left` (``ttl`` elsewhere means the lease)."""
+        warnings.warn(
+            "HeldLock.ttl is deprecated: use HeldLock.time_left (ttl= is the lease length).",
+            DeprecationWarning,
+            stacklevel=2,
+        )
+        return self.time_left
+
     def as_dict(self) -> dict[str, Any]:
-        """Return the fields as JSON-ready values (acquired_at in ISO 8601)."""
+        """Return the fields as JSON-ready values (acquired_at in ISO 8601).
+
+        ``ttl`` repeats ``time_left`` for readers of the previous release's
+        output; it goes away in the next release.
+        """
         data = asdict(self)
         data["acquired_at"] = self.acquired_at.isoformat()
+        data["ttl"] = self.time_left
         return data
 
 
@@ -192,16 +208,12 @@ def _parse(fields: list[Any], pttl: int, waiters: int) -> tuple[str, HeldLock] |
     token, fence, owner, acquired, name = (decode(v) for v in fields)
     if not token or pttl == -2:
         return None  # released between SCAN and read
-    try:
-        owner_data = json.loads(owner) if owner else {}
-    except ValueError:
-        owner_data = {}
     ms = int(acquired) if acquired.isdigit() else 0
     return token, HeldLock(
         name=name,
-        owner={k: owner_data.get(k) for k in ("host", "pid", "thread", "label")},
+        owner=parse_owner(owner) or Owner(),
         acquired_at=datetime.fromtimestamp(ms / 1000, tz=timezone.utc),
-        ttl=max(pttl, 0) / 1000,
+        time_left=max(pttl, 0) / 1000,
         fence=int(fence) if fence.isdigit() else 0,
         waiters=waiters,
     )
@@ -231,12 +243,12 @@ def _read(client: Any, alias: str) -> Iterator[tuple[str, str, HeldLock]]:
 
 def _merge(copies: list[HeldLock], quorum: int) -> HeldLock:
     """Return one quorum lock from its copies on the masters holding the majority token."""
-    ttls = sorted((copy.ttl for copy in copies), reverse=True)
+    left = sorted((copy.time_left for copy in copies), reverse=True)
     return HeldLock(
         name=copies[0].name,
         owner=copies[0].owner,
         acquired_at=min(copy.acquired_at for copy in copies),
-        ttl=ttls[quorum - 1],
+        time_left=left[quorum - 1],
         fence=max(copy.fence for copy in copies),
         waiters=max(copy.waiters for copy in copies),
         masters=len(copies),

@@ -22,6 +22,7 @@ import math
 import secrets
 import threading
 import time
+import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Literal, NamedTuple
@@ -41,10 +42,10 @@ from .holds import (
     decode,
     open_scope,
     owner_metadata,
-    parse_owner,
     scoped_hold,
 )
 from .keys import LockKeys, validate_label, validate_name
+from .owners import Owner, parse_owner
 from .scripts import HANDOFF_LEASE, WAIT_LEASE, lease_ms
 from .watchdog import get_watchdog
 
@@ -194,7 +195,7 @@ class Mutex:
         """Return the error describing the last failed acquisition of this handle."""
         pttl, owner, waited = self._contention
         retry_after = max(1, math.ceil(pttl / 1000)) if pttl > 0 else 1
-        if not isinstance(owner, dict):
+        if not isinstance(owner, Owner):
             owner = parse_owner(owner) if owner else None
         return LockContended(self.name, retry_after=retry_after, owner=owner, waited=waited)
 
@@ -685,8 +686,8 @@ class Mutex:
             return 0.0
         return pttl / 1000
 
-    def ttl(self) -> float:
-        """Return the seconds left on this handle's hold, or 0.0 if it holds nothing."""
+    def time_left(self) -> float:
+        """Return the seconds left on this handle's lease (asks Redis), 0.0 if it holds none."""
         if self._current() is None:
             return 0.0
         with backend_errors(self.name, self.using):
@@ -696,8 +697,8 @@ class Mutex:
             token, pttl = pipe.execute()
         return self._state_from(token, pttl)
 
-    async def attl(self) -> float:
-        """Async twin of :meth:`ttl`."""
+    async def atime_left(self) -> float:
+        """Async twin of :meth:`time_left`."""
         if self._current() is None:
             return 0.0
         with backend_errors(self.name, self.using):
@@ -735,13 +736,23 @@ class Mutex:
         with backend_errors(self.name, self.using):
             return bool(await (await get_async_client(self.using)).exists(self.keys.lock))
 
-    def owner(self) -> dict[str, Any] | None:
-        """Return the holder's metadata (host, pid, thread, label), or None if free."""
+    def ttl(self) -> float:
+        """Deprecated name of :meth:`time_left` (``ttl=`` is the lease length)."""
+        _renamed("Mutex.ttl()", "Mutex.time_left()")
+        return self.time_left()
+
+    async def attl(self) -> float:
+        """Deprecated name of :meth:`atime_left`."""
+        _renamed("Mutex.attl()", "Mutex.atime_left()")
+        return await self.atime_left()
+
+    def owner(self) -> Owner | None:
+        """Return who holds the lock (host, pid, thread, label), or None if free."""
         with backend_errors(self.name, self.using):
             raw = get_client(self.using).hget(self.keys.lock, "owner")
         return parse_owner(raw)
 
-    async def aowner(self) -> dict[str, Any] | None:
+    async def aowner(self) -> Owner | None:
         """Async twin of :meth:`owner`."""
         with backend_errors(self.name, self.using):
             raw = await (await get_async_client(self.using)).hget(self.keys.lock, "owner")
@@ -883,6 +894,14 @@ def _wait_slice(
         else:
             wait = min(wait, expiry - REDIS_TICK)
     return max(wait, 0.001), local
+
+
+def _renamed(old: str, new: str) -> None:
+    warnings.warn(
+        f"{old} is deprecated, use {new}: everywhere else ttl is the lease length.",
+        DeprecationWarning,
+        stacklevel=3,
+    )
 
 
 def _declare_lost(hold: Hold, reason: str) -> None:

@@ -36,9 +36,10 @@ from .client import UNAVAILABLE, get_client, namespace
 from .conf import validate_aliases
 from .driver import Each, Fanned, Sleep, Steps
 from .exceptions import LockBackendUnavailable
-from .holds import Hold, decode, parse_owner
+from .holds import Hold, decode
 from .keys import LockKeys
 from .lock import Grant, Mutex
+from .owners import Owner, parse_owner
 
 __all__ = ["QuorumMutex"]
 
@@ -213,7 +214,7 @@ class QuorumMutex(Mutex):
             raise self._unavailable(errors, "inspect")
         return states
 
-    def ttl(self) -> float:
+    def time_left(self) -> float:
         """Return the seconds until fewer than a majority of masters still hold our lease."""
         hold = self._current()
         if hold is None:
@@ -239,7 +240,7 @@ class QuorumMutex(Mutex):
                 counts[token] = counts.get(token, 0) + 1
         return any(count >= self.quorum for count in counts.values())
 
-    def owner(self) -> dict[str, Any] | None:
+    def owner(self) -> Owner | None:
         """Return the metadata of the owner holding a majority, or None."""
         counts: dict[str, int] = {}
         owners: dict[str, str] = {}
@@ -252,9 +253,9 @@ class QuorumMutex(Mutex):
                 return parse_owner(owners[token])
         return None
 
-    async def attl(self) -> float:
-        """Async twin of :meth:`ttl` (asks the masters from a worker thread)."""
-        return await asyncio.to_thread(self.ttl)
+    async def atime_left(self) -> float:
+        """Async twin of :meth:`time_left` (asks the masters from a worker thread)."""
+        return await asyncio.to_thread(self.time_left)
 
     async def aowned(self) -> bool:
         """Async twin of :meth:`owned`."""
@@ -264,7 +265,7 @@ class QuorumMutex(Mutex):
         """Async twin of :meth:`locked`."""
         return await asyncio.to_thread(self.locked)
 
-    async def aowner(self) -> dict[str, Any] | None:
+    async def aowner(self) -> Owner | None:
         """Async twin of :meth:`owner`."""
         return await asyncio.to_thread(self.owner)
 

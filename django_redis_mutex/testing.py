@@ -35,7 +35,7 @@ __all__ = [
 # the caller's ACL too, so the commands the Lua scripts run are listed as well.
 LOCK_COMMANDS: tuple[str, ...] = (
     # Sent by the app itself: scripts, blocking waits for a hand-off, and the
-    # reads of ttl()/owned()/locked()/owner(), held_locks() and reset_all().
+    # reads of time_left()/owned()/locked()/owner(), held_locks() and reset_all().
     "evalsha",
     "script|load",
     "blpop",

@@ -1690,7 +1690,7 @@ class Nemesis:
             return None
         for held in locks:
             if held.name == name:
-                return self.pid_slot.get(held.owner.get("pid") or -1)
+                return self.pid_slot.get(held.owner.pid or -1)
         return None
 
     def _target(self, fault: Fault) -> _Slot | None:
@@ -2000,7 +2000,7 @@ class Nemesis:
             for alias in aliases:
                 try:
                     left += [
-                        f"{alias}:{h.name} fence {h.fence} ttl {h.ttl:.3f}s"
+                        f"{alias}:{h.name} fence {h.fence} time left {h.time_left:.3f}s"
                         for h in held_locks(alias)
                     ]
                 except Exception as exc:

@@ -147,9 +147,9 @@ def sync_workload(admin: redis.Redis) -> None:
     assert lock.acquire()
     try:
         lock.extend(30)
-        assert lock.ttl() > 20
+        assert lock.time_left() > 20
         assert lock.owned() and lock.locked()
-        assert (lock.owner() or {}).get("label") == "acl"
+        assert (owner := lock.owner()) is not None and owner.label == "acl"
         assert {held.name for held in held_locks()} == {"acl:extend"}
         table = StringIO()
         call_command("locks", stdout=table)
@@ -188,7 +188,7 @@ async def async_workload(admin: redis.Redis) -> None:
         )
     assert await waiting
     await second.aextend(20)
-    assert await second.attl() > 10
+    assert await second.atime_left() > 10
     assert await second.alocked()
     await second.arelease()
     async with mutex("acl:async-renew", ttl=0.6) as renewed:

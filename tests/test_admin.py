@@ -6,6 +6,7 @@ import copy
 import os
 import re
 import select
+import socket
 import subprocess
 import sys
 from collections.abc import Callable, Iterator
@@ -330,7 +331,7 @@ def test_confirmed_release_is_recorded_in_admin_history(releaser, hold):
     assert entry.object_repr == "batch"
     assert entry.user.username == "staff-view_lock-release_lock"
     assert f"fence {fence}" in entry.change_message
-    assert "label=batch job" in entry.change_message
+    assert f"owner batch job ({socket.gethostname()}, pid {os.getpid()}" in entry.change_message
 
 
 def test_release_of_selection_frees_each_and_reports_count(releaser, hold):

@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import socket
 import threading
 import time
 from collections.abc import Iterator
@@ -25,6 +26,7 @@ from django_redis_mutex import (
     LockLost,
     LockNotOwned,
     Mutex,
+    Owner,
     held_locks,
     mutex,
     reset,
@@ -121,25 +123,25 @@ def test_fence_grows_with_every_acquisition():
 
 def test_ttl_reports_seconds_left_on_the_lease():
     with mutex("leased", ttl=20, watchdog=False) as lock:
-        assert 15 < lock.ttl() <= 20
+        assert 15 < lock.time_left() <= 20
 
 
 def test_ttl_is_zero_when_handle_holds_nothing():
-    assert Mutex("idle").ttl() == 0.0
+    assert Mutex("idle").time_left() == 0.0
 
 
 def test_extend_sets_remaining_lease_to_given_ttl():
     with mutex("extended", ttl=5, watchdog=False) as lock:
         lock.extend(60)
-        assert 55 < lock.ttl() <= 60
+        assert 55 < lock.time_left() <= 60
 
 
 def test_extend_without_ttl_restores_handle_ttl():
     with mutex("extended", ttl=20, watchdog=False) as lock:
         lock.extend(2)
-        assert lock.ttl() <= 2
+        assert lock.time_left() <= 2
         lock.extend()
-        assert 15 < lock.ttl() <= 20
+        assert 15 < lock.time_left() <= 20
 
 
 def test_extend_on_handle_not_holding_raises_lock_not_owned():
@@ -151,10 +153,10 @@ def test_owner_reports_host_pid_thread_and_label():
     with mutex("owned", label="nightly report"):
         owner = Mutex("owned").owner()
     assert owner is not None
-    assert owner["pid"] == os.getpid()
-    assert owner["thread"] == threading.current_thread().name
-    assert owner["label"] == "nightly report"
-    assert isinstance(owner["host"], str) and owner["host"]
+    assert owner.pid == os.getpid()
+    assert owner.thread == threading.current_thread().name
+    assert owner.label == "nightly report"
+    assert isinstance(owner.host, str) and owner.host
 
 
 def test_owner_is_none_when_free():
@@ -281,8 +283,8 @@ def test_with_block_raises_lock_contended_when_held():
     assert error.name == "busy"
     assert error.retry_after >= 1
     assert error.owner is not None
-    assert error.owner["thread"] == info["thread"]
-    assert error.owner["label"] == "holder"
+    assert error.owner.thread == info["thread"]
+    assert error.owner.label == "holder"
     assert "busy" in str(error)
 
 
@@ -615,15 +617,15 @@ def test_held_locks_describes_each_held_lock():
         [held] = held_locks()
     assert isinstance(held, HeldLock)
     assert held.name == "described"
-    assert held.owner == {
-        "host": held.owner["host"],
-        "pid": os.getpid(),
-        "thread": threading.current_thread().name,
-        "label": "job",
-    }
+    assert held.owner == Owner(
+        host=socket.gethostname(),
+        pid=os.getpid(),
+        thread=threading.current_thread().name,
+        label="job",
+    )
     assert held.acquired_at.tzinfo is not None
     assert before - timedelta(seconds=2) <= held.acquired_at <= before + timedelta(seconds=5)
-    assert isinstance(held.ttl, float) and 15 < held.ttl <= 20
+    assert isinstance(held.time_left, float) and 15 < held.time_left <= 20
     assert held.waiters == 0
 
 
@@ -726,3 +728,66 @@ def test_generator_body_runs_under_the_lock():
     assert list(numbers()) == [True, 2]
     assert asyncio.run(collect()) == [True]
     assert not Mutex("gen").locked()
+
+
+# -- owner records and renamed names ------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("stored", "expected"),
+    [
+        (b"not json", None),
+        (b"[1, 2]", None),
+        (b'{"host": 7, "pid": "12", "thread": null, "label": ["x"]}', Owner()),
+        (b'{"host": "web1", "pid": true, "extra": 1}', Owner(host="web1")),
+    ],
+    ids=["not-json", "not-an-object", "wrong-types", "partial"],
+)
+def test_owner_read_from_a_damaged_record_never_fails(raw, stored, expected):
+    with mutex("damaged") as lock:
+        raw.hset(lock.keys.lock, "owner", stored)
+        assert Mutex("damaged").owner() == expected
+        [held] = held_locks()
+        # A lock always lists an owner, empty when its record is unreadable.
+        assert held.owner == (expected or Owner())
+
+
+def test_owner_reads_as_one_line():
+    assert str(Owner("web1", 12, "Thread-3", "import")) == "import (web1, pid 12, thread Thread-3)"
+    assert str(Owner("web1", 12, None, None)) == "web1, pid 12"
+    assert str(Owner(label="import")) == "import"
+    assert str(Owner()) == "unknown owner"
+
+
+def test_dict_style_owner_access_still_answers_with_a_deprecation_warning():
+    owner = Owner("web1", 12, "Thread-3", "import")
+    with pytest.warns(DeprecationWarning, match=r"owner\.host"):
+        assert owner["host"] == "web1"
+    with pytest.warns(DeprecationWarning, match=r"owner\.label"):
+        assert owner.get("label") == "import"
+    with pytest.warns(DeprecationWarning):
+        assert owner.get("nonsense", "fallback") == "fallback"
+    with pytest.warns(DeprecationWarning), pytest.raises(KeyError):
+        owner["nonsense"]
+
+
+def test_old_names_of_time_left_warn_and_answer_the_same():
+    with mutex("renamed", ttl=20) as lock:
+        with pytest.warns(DeprecationWarning, match=r"time_left\(\)"):
+            old = lock.ttl()
+        assert 15 < old <= 20
+        assert 15 < lock.time_left() <= old
+        [held] = held_locks()
+        with pytest.warns(DeprecationWarning, match="time_left"):
+            assert held.ttl == held.time_left
+
+
+def test_old_async_name_of_time_left_warns_and_answers():
+    async def main() -> tuple[float, float]:
+        async with mutex("renamed-async", ttl=20) as lock:
+            with pytest.warns(DeprecationWarning, match=r"atime_left\(\)"):
+                old = await lock.attl()
+            return old, await lock.atime_left()
+
+    old, new = asyncio.run(main())
+    assert 15 < new <= old <= 20

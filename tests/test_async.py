@@ -82,9 +82,9 @@ def test_aacquire_and_arelease_explicitly():
 def test_attl_and_aextend():
     async def main() -> tuple[float, float]:
         async with mutex("leased", ttl=5, watchdog=False) as lock:
-            before = await lock.attl()
+            before = await lock.atime_left()
             await lock.aextend(60)
-            return before, await lock.attl()
+            return before, await lock.atime_left()
 
     before, after = asyncio.run(main())
     assert 0 < before <= 5
@@ -101,9 +101,9 @@ def test_aowner_names_the_task_and_label():
 
     owner = asyncio.run(run_named())
     assert owner is not None
-    assert owner["thread"] == "the-worker-task"
-    assert owner["label"] == "async job"
-    assert owner["pid"] == os.getpid()
+    assert owner.thread == "the-worker-task"
+    assert owner.label == "async job"
+    assert owner.pid == os.getpid()
 
 
 def test_arelease_on_handle_not_holding_raises_lock_not_owned():
@@ -397,7 +397,7 @@ def test_async_with_raises_lock_contended_with_owner():
     finally:
         holder.release()
     assert caught.value.owner is not None
-    assert caught.value.owner["label"] == "sync holder"
+    assert caught.value.owner.label == "sync holder"
 
 
 # -- losing the lock -------------------------------------------------------------------

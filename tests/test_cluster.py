@@ -178,7 +178,7 @@ def test_held_locks_finds_locks_on_every_primary(one_lock_per_primary: list[Mute
 
     assert [h.name for h in found] == sorted(lock.name for lock in one_lock_per_primary)
     assert {h.fence for h in found} == {lock.fence for lock in one_lock_per_primary}
-    assert all(h.owner["label"] == "spread" for h in found)
+    assert all(h.owner.label == "spread" for h in found)
 
 
 def test_locks_command_lists_locks_on_every_primary(one_lock_per_primary: list[Mutex]) -> None:
@@ -274,7 +274,7 @@ def test_watchdog_renews_locks_on_every_primary(cluster_caches: RedisClusterServ
     threading.Event().wait(1.2)  # four leases: only renewals can keep the locks
 
     try:
-        assert all(lock.owned() and lock.ttl() > 0 for lock in locks)
+        assert all(lock.owned() and lock.time_left() > 0 for lock in locks)
         assert not any(
             Mutex(name, using=ALIAS, reentrant=False).acquire(blocking=False) for name in names
         )

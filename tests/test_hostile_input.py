@@ -191,7 +191,7 @@ def test_label_of_exactly_the_limit_is_stored_whole() -> None:
     label = "\u202e" + "x" * (MAX_LABEL_LENGTH - 1)
     with mutex("limit", label=label):
         [held] = held_locks()
-    assert held.owner["label"] == label
+    assert held.owner.label == label
 
 
 @pytest.mark.parametrize("length", [MAX_LABEL_LENGTH + 1, 5 * 1024 * 1024])

@@ -94,7 +94,7 @@ def test_table_lists_held_lock_with_owner(held: list[Mutex]) -> None:
         "LABEL",
         "HELD",
         "FOR",
-        "TTL",
+        "TIME",
         "LEFT",
         "FENCE",
         "WAITERS",
@@ -145,7 +145,8 @@ def test_json_is_an_array_of_heldlock_fields(held: list[Mutex]) -> None:
     second = hold(held, "a-lock")
     data = json.loads(locks("--json"))
     assert [item["name"] for item in data] == ["a-lock", "b-lock"]
-    assert all(set(item) == {f.name for f in fields(HeldLock)} for item in data)
+    # Every HeldLock field, plus "ttl": time_left under its old name, for one release.
+    assert all(set(item) == {f.name for f in fields(HeldLock)} | {"ttl"} for item in data)
     item = data[1]
     assert item["owner"] == {
         "host": item["owner"]["host"],
@@ -155,7 +156,8 @@ def test_json_is_an_array_of_heldlock_fields(held: list[Mutex]) -> None:
     }
     assert item["fence"] == first.fence
     assert data[0]["fence"] == second.fence
-    assert 0 < item["ttl"] <= 20
+    assert 0 < item["time_left"] <= 20
+    assert item["ttl"] == item["time_left"]
     assert item["waiters"] == 0
     assert item["acquired_at"].endswith("+00:00")
 

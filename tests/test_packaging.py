@@ -340,7 +340,7 @@ def test_installed_public_names_take_a_lock_on_redis(
         from django_redis_mutex import held_locks, mutex
         with mutex("packaging:check", label="from the wheel") as lock:
             held = held_locks()
-            print(lock.fence > 0, [(h.name, h.owner["label"]) for h in held])
+            print(lock.fence > 0, [(h.name, h.owner.label) for h in held])
         print(held_locks())
     """)
     done = _django(installed, project, redis_url, mutex_prefix, "-c", code)

@@ -339,10 +339,10 @@ def test_held_locks_lists_a_quorum_lock_once_with_its_fence_and_owner(
 
     assert found.name == "nightly"
     assert found.fence == lock.fence
-    assert found.owner["label"] == "nightly import"
-    assert found.owner["pid"] == os.getpid()
+    assert found.owner.label == "nightly import"
+    assert found.owner.pid == os.getpid()
     assert found.masters == 3
-    assert 0 < found.ttl <= 20
+    assert 0 < found.time_left <= 20
     assert [h.name for h in held_locks(using=ALIASES)] == ["nightly"]
     out = locks("--using", QUORUM)
     assert [line.split()[0] for line in out.splitlines()[2:-1]] == ["nightly"]

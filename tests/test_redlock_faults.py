@@ -23,6 +23,7 @@ from django_redis_mutex import (
     LockContended,
     LockLost,
     Mutex,
+    Owner,
     mutex,
 )
 from django_redis_mutex.client import namespace
@@ -237,7 +238,7 @@ def test_a_majority_of_clogged_masters_refuses_acquisition(
         pass
 
     assert caught.value.name == "clogged"
-    assert caught.value.owner == FOREIGN_OWNER
+    assert caught.value.owner == Owner(**FOREIGN_OWNER)
     assert caught.value.retry_after >= 1
     # A grant on an unclogged master was undone.
     assert tokens_at(quorum, "clogged") == [
@@ -283,7 +284,7 @@ def test_extend_with_one_master_down_sets_the_lease_on_the_majority(
 
     lock.extend(20)
 
-    assert 18 < lock.ttl() <= 20
+    assert 18 < lock.time_left() <= 20
     assert lock.owned()
     lock.release()
 
@@ -340,7 +341,7 @@ def test_async_extend_and_release_with_one_master_down(quorum: list[RedisServer]
         assert await lock.aacquire()
         quorum[0].kill()
         await lock.aextend(20)
-        left = await lock.attl()
+        left = await lock.atime_left()
         await lock.arelease()
         return left, await Mutex("async-job", using=ALIASES).alocked()
 

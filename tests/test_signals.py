@@ -127,8 +127,8 @@ def test_lock_contended_is_sent_with_retry_after_and_owner(receive: Any) -> None
     assert 0 <= call["kwargs"]["wait"] < 1
     assert 7 <= call["kwargs"]["retry_after"] <= 9
     owner = call["kwargs"]["owner"]
-    assert owner["label"] == "stock import"
-    assert owner["pid"] == os.getpid()
+    assert owner.label == "stock import"
+    assert owner.pid == os.getpid()
 
 
 def test_lock_contended_wait_is_the_time_spent_before_giving_up(receive: Any) -> None:

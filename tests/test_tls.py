@@ -242,7 +242,7 @@ async def async_workload(admin: redis.Redis) -> None:
             "the async waiter to queue",
         )
     assert await waiting  # handed over and woken over TLS (BLPOP on the async client)
-    assert await second.attl() > 0
+    assert await second.atime_left() > 0
     await second.arelease()
     async with mutex("tls:async-renew", ttl=0.6) as renewed:
         started = time.monotonic()

@@ -29,7 +29,7 @@ def child(name: str, ttl: float, hold: float) -> int:
     try:
         with mutex(name, ttl=ttl, timeout=10) as lock:
             started = time.monotonic()
-            emit("child_acquired", fence=lock.fence, owner=lock.owner())
+            emit("child_acquired", fence=lock.fence, owner=lock.owner().as_dict())
             time.sleep(hold)  # the work under the lock; the watchdog must keep it alive
             owned = lock.owned()
             held = time.monotonic() - started

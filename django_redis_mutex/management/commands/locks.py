@@ -24,7 +24,7 @@ from django.core.exceptions import ImproperlyConfigured
 from django.core.management.base import BaseCommand, CommandError, CommandParser
 
 from django_redis_mutex.client import get_client
-from django_redis_mutex.display import terminal_safe
+from django_redis_mutex.display import duration, terminal_safe
 from django_redis_mutex.exceptions import LockBackendUnavailable
 from django_redis_mutex.introspection import (
     HeldLock,
@@ -35,21 +35,7 @@ from django_redis_mutex.introspection import (
     reset_all,
 )
 
-COLUMNS = ("NAME", "HOST", "PID", "THREAD", "LABEL", "HELD FOR", "TTL LEFT", "FENCE", "WAITERS")
-
-
-def duration(seconds: float) -> str:
-    """Return ``seconds`` the way a person reads it: 4.2s, 3m05s, 2h10m, 1d03h."""
-    if seconds < 60:
-        return f"{seconds:.1f}s"
-    minutes, secs = divmod(int(seconds), 60)
-    if minutes < 60:
-        return f"{minutes}m{secs:02d}s"
-    hours, minutes = divmod(minutes, 60)
-    if hours < 24:
-        return f"{hours}h{minutes:02d}m"
-    days, hours = divmod(hours, 24)
-    return f"{days}d{hours:02d}h"
+COLUMNS = ("NAME", "HOST", "PID", "THREAD", "LABEL", "HELD FOR", "TIME LEFT", "FENCE", "WAITERS")
 
 
 def _cell(value: Any) -> str:
@@ -93,12 +79,12 @@ def table_rows(locks: list[HeldLock]) -> list[tuple[str, ...]]:
     return [
         (
             terminal_safe(lock.name),
-            _cell(lock.owner.get("host")),
-            _cell(lock.owner.get("pid")),
-            _cell(lock.owner.get("thread")),
-            _cell(lock.owner.get("label")),
+            _cell(lock.owner.host),
+            _cell(lock.owner.pid),
+            _cell(lock.owner.thread),
+            _cell(lock.owner.label),
             duration(lock.held_for),
-            duration(lock.ttl),
+            duration(lock.time_left),
             str(lock.fence),
             str(lock.waiters),
         )

@@ -25,7 +25,7 @@ from django.utils.translation import ngettext
 from redis.exceptions import RedisError
 
 from .client import lock_aliases
-from .display import terminal_safe
+from .display import duration, terminal_safe
 from .exceptions import LockBackendUnavailable
 from .introspection import HeldLock, ensure_resettable, held_locks, reset
 from .keys import validate_name
@@ -87,18 +87,6 @@ def _unavailable(using: str, exc: Exception) -> str:
     ) % {"alias": using, "error": exc}
 
 
-def _duration(seconds: float) -> str:
-    """Return ``seconds`` as a short human reading: "4.2 s", "3 min 5 s", "2 h 10 min"."""
-    if seconds < 60:
-        return _("%(seconds).1f s") % {"seconds": seconds}
-    whole = int(seconds)
-    hours, rest = divmod(whole, 3600)
-    minutes, secs = divmod(rest, 60)
-    if hours:
-        return _("%(hours)d h %(minutes)d min") % {"hours": hours, "minutes": minutes}
-    return _("%(minutes)d min %(seconds)d s") % {"minutes": minutes, "seconds": secs}
-
-
 def _url(base: str, **params: Any) -> str:
     query = urlencode([(k, v) for k, v in params.items() if v not in (None, "")], doseq=True)
     return f"{base}?{query}" if query else base
@@ -122,13 +110,13 @@ def _row(held: HeldLock, release_url: str, using: str) -> dict[str, Any]:
     return {
         "name": held.name,
         "shown_name": terminal_safe(held.name),
-        "host": terminal_safe(str(owner.get("host") or "")),
-        "pid": owner.get("pid") or "",
-        "thread": terminal_safe(str(owner.get("thread") or "")),
-        "label": terminal_safe(str(owner.get("label") or "")),
+        "host": terminal_safe(owner.host or ""),
+        "pid": "" if owner.pid is None else owner.pid,
+        "thread": terminal_safe(owner.thread or ""),
+        "label": terminal_safe(owner.label or ""),
         "acquired_at": held.acquired_at,
-        "held_for": _duration(held.held_for),
-        "ttl": _duration(held.ttl),
+        "held_for": duration(held.held_for),
+        "time_left": duration(held.time_left),
         "fence": held.fence,
         "waiters": held.waiters,
         "release_url": _url(release_url, using=using, name=held.name),
@@ -216,11 +204,7 @@ def _requested_names(values: Iterable[str]) -> list[str]:
 def _describe(held: HeldLock | None) -> str:
     if held is None:
         return _("owner unknown: it was not held when the page was read")
-    owner = ", ".join(f"{k}={v}" for k, v in held.owner.items() if v not in (None, ""))
-    return _("fence %(fence)d, owner %(owner)s") % {
-        "fence": held.fence,
-        "owner": owner or _("unknown"),
-    }
+    return _("fence %(fence)d, owner %(owner)s") % {"fence": held.fence, "owner": held.owner}
 
 
 def _log_release(request: HttpRequest, name: str, using: str, held: HeldLock | None) -> None:

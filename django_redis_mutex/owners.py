@@ -1,0 +1,107 @@
+"""Who holds a lock: the owner record stored with every acquisition.
+
+Each acquisition writes a small JSON record next to its token (host, process
+id, thread or asyncio task name, and the caller's label) so that the
+``locks`` command, the admin and ``LockContended`` can say who is in the way.
+The record is read back from Redis, where anyone with access may have written
+anything, so reading it never fails: a field that is missing or of the wrong
+type reads as None.
+"""
+
+from __future__ import annotations
+
+import json
+import warnings
+from dataclasses import asdict, dataclass
+from typing import Any
+
+__all__ = ["Owner", "parse_owner"]
+
+
+def _text(value: Any) -> str | None:
+    return value if isinstance(value, str) else None
+
+
+def _pid(value: Any) -> int | None:
+    # bool is an int subclass; a pid of True is not a pid.
+    return value if isinstance(value, int) and not isinstance(value, bool) else None
+
+
+@dataclass(frozen=True, slots=True)
+class Owner:
+    """The holder of a lock as it described itself when it acquired it."""
+
+    host: str | None = None
+    pid: int | None = None
+    thread: str | None = None  # thread name, or asyncio task name
+    label: str | None = None
+
+    @classmethod
+    def from_record(cls, record: Any) -> Owner:
+        """Return the owner described by a decoded JSON record, None for anything unreadable."""
+        if not isinstance(record, dict):
+            return cls()
+        return cls(
+            host=_text(record.get("host")),
+            pid=_pid(record.get("pid")),
+            thread=_text(record.get("thread")),
+            label=_text(record.get("label")),
+        )
+
+    def as_dict(self) -> dict[str, Any]:
+        """Return the fields as a plain dict (for JSON output)."""
+        return asdict(self)
+
+    def __str__(self) -> str:
+        """Describe the owner in one line: ``label (host, pid 12, thread T)``.
+
+        This is the one place an owner is turned into text, so the admin,
+        the ``locks`` command and error messages say it the same way.
+        """
+        where = ", ".join(
+            part
+            for part in (
+                self.host or "",
+                f"pid {self.pid}" if self.pid is not None else "",
+                f"thread {self.thread}" if self.thread else "",
+            )
+            if part
+        )
+        if self.label and where:
+            return f"{self.label} ({where})"
+        return self.label or where or "unknown owner"
+
+    # -- dict-style access, kept for one release ------------------------------------
+
+    def __getitem__(self, field: str) -> Any:
+        return self._deprecated_lookup(field, KeyError)
+
+    def get(self, field: str, default: Any = None) -> Any:
+        """Deprecated: read the attribute instead (``owner.host``)."""
+        try:
+            return self._deprecated_lookup(field, KeyError)
+        except KeyError:
+            return default
+
+    def _deprecated_lookup(self, field: str, missing: type[Exception]) -> Any:
+        warnings.warn(
+            f"Owner is a record, not a dict: use owner.{field} instead of owner[{field!r}] "
+            "or owner.get(...); dict-style access goes away in the next release.",
+            DeprecationWarning,
+            stacklevel=3,
+        )
+        if field not in self.__dataclass_fields__:
+            raise missing(field)
+        return getattr(self, field)
+
+
+def parse_owner(raw: Any) -> Owner | None:
+    """Return the owner record read from Redis, or None if absent or not a JSON object."""
+    if raw is None:
+        return None
+    text = raw.decode("utf-8", "replace") if isinstance(raw, bytes) else str(raw)
+    try:
+        record = json.loads(text)
+    except ValueError:
+        return None
+    return Owner.from_record(record) if isinstance(record, dict) else None

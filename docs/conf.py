@@ -1,0 +1,41 @@
+"""Sphinx configuration of the django-redis-mutex documentation.
+
+Build from the repository root with
+``uv run --group docs sphinx-build -W -b html docs docs/_build/html``.
+Autodoc imports the package, which needs configured Django settings: the
+minimal ones in ``docs/django_settings.py``.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+DOCS = Path(__file__).resolve().parent
+sys.path[:0] = [str(DOCS.parent), str(DOCS / "_ext"), str(DOCS)]
+os.environ.setdefault("DJANGO_SETTINGS_MODULE", "django_settings")
+
+import django  # noqa: E402  (the path and settings module come first)
+
+django.setup()
+
+from django_redis_mutex import __version__  # noqa: E402
+
+project = "django-redis-mutex"
+author = "django-redis-mutex contributors"
+copyright = "django-redis-mutex contributors"
+release = __version__
+version = __version__
+
+extensions = [
+    "sphinx.ext.autodoc",
+    "sphinx.ext.viewcode",
+    "benchmark_tables",
+]
+exclude_patterns = ["_build", "_ext"]
+autodoc_member_order = "bysource"
+autodoc_typehints = "description"
+autodoc_default_options = {"members": True, "show-inheritance": True}
+html_theme = "furo"
+html_title = f"django-redis-mutex {release}"
