@@ -8,11 +8,8 @@ from __future__ import annotations
 
 import copy
 import os
-import subprocess
-import sys
 import uuid
 from collections.abc import Callable, Iterator
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -21,7 +18,7 @@ from django.test import override_settings
 
 from django_redis_mutex.testing import RedisServer
 
-ROOT = Path(__file__).resolve().parent.parent
+from .helpers import run_worker
 
 
 @pytest.fixture(scope="session")
@@ -77,61 +74,6 @@ def namespace_keys(raw: redis.Redis, mutex_prefix: str):  # type: ignore[no-unty
     return keys
 
 
-def run_worker(script: str, *args: str, timeout: float = 120) -> subprocess.Popen[str]:
-    """Start ``tests/workers/<script>`` as a real OS process with this test's settings."""
-    env = dict(os.environ, DJANGO_SETTINGS_MODULE="tests.settings", PYTHONPATH=str(ROOT))
-    return subprocess.Popen(
-        [sys.executable, str(ROOT / "tests" / "workers" / script), *args],
-        env=env,
-        cwd=ROOT,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
-
-
-USING_DJANGO_BACKEND = os.environ.get("DJANGO_REDIS_MUTEX_TEST_BACKEND") == "django"
-
-
-def cache_options(
-    *, socket_timeout: float | None = None, decode_responses: bool | None = None
-) -> dict[str, object]:
-    """Return OPTIONS for the backend under test (django-redis and Django spell them apart)."""
-    options: dict[str, object] = {}
-    if USING_DJANGO_BACKEND:
-        if socket_timeout is not None:
-            options["socket_timeout"] = socket_timeout
-        if decode_responses is not None:
-            options["decode_responses"] = decode_responses
-        return options
-    if socket_timeout is not None:
-        options["SOCKET_TIMEOUT"] = socket_timeout
-    if decode_responses is not None:
-        options["CONNECTION_POOL_KWARGS"] = {"decode_responses": decode_responses}
-    return options
-
-
-def caches_with(**options: object) -> dict[str, Any]:
-    """Return a copy of settings.CACHES with ``options`` merged into the default MUTEX block."""
-    from django.conf import settings
-
-    caches = copy.deepcopy(settings.CACHES)
-    caches["default"]["MUTEX"] = {**caches["default"].get("MUTEX", {}), **options}
-    return caches
-
-
-def wait_until(predicate: Callable[[], object], timeout: float = 5.0) -> bool:
-    """Poll ``predicate`` every 10 ms until it is true (True) or ``timeout`` passes (False)."""
-    import time
-
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        if time.monotonic() >= deadline:
-            return False
-        time.sleep(0.01)
-    return True
-
-
 @pytest.fixture
 def spawn() -> Iterator[Callable[..., Any]]:
     """Start worker scripts as OS processes; kill whatever is left of them after the test."""
@@ -147,17 +89,3 @@ def spawn() -> Iterator[Callable[..., Any]]:
     yield start
     for worker in started:
         worker.close()
-
-
-def poll_until(check: Callable[[], Any], timeout: float, what: str, interval: float = 0.01) -> Any:
-    """Return the first truthy result of ``check()``; fail naming ``what`` after ``timeout``."""
-    import time
-
-    deadline = time.monotonic() + timeout
-    while True:
-        result = check()
-        if result:
-            return result
-        if time.monotonic() >= deadline:
-            raise AssertionError(f"Timed out after {timeout}s waiting for {what}.")
-        time.sleep(interval)

@@ -25,7 +25,7 @@ from typing import Any, TypeVar
 
 from django_redis_mutex.testing import free_port
 
-from .conftest import ROOT
+from .helpers import ROOT
 
 T = TypeVar("T")
 

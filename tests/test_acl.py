@@ -44,7 +44,7 @@ from django_redis_mutex.testing import (
     lock_acl_rules,
 )
 
-from .conftest import poll_until
+from .helpers import await_until, wait_until
 from .topologies import SentinelGroup
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -125,7 +125,7 @@ def sync_workload(admin: redis.Redis) -> None:
         got: dict[str, bool] = {}
         waiting = threading.Thread(target=lambda: got.setdefault("ok", waiter.acquire(timeout=10)))
         waiting.start()
-        poll_until(lambda: admin.zcard(f"{NAMESPACE}:{{acl:job}}:queue"), 5, "the waiter to queue")
+        wait_until(lambda: admin.zcard(f"{NAMESPACE}:{{acl:job}}:queue"), 5, "the waiter to queue")
         release.set()
         waiting.join(10)
         assert got == {"ok": True}  # handed over through its wake-up list (BLPOP)
@@ -180,11 +180,8 @@ async def async_workload(admin: redis.Redis) -> None:
         assert await first.aowned()
         second = Mutex("acl:async", ttl=5)
         waiting = asyncio.ensure_future(second.aacquire(timeout=10))
-        await asyncio.to_thread(
-            poll_until,
-            lambda: admin.zcard(f"{NAMESPACE}:{{acl:async}}:queue"),
-            5,
-            "the async waiter to queue",
+        await await_until(
+            lambda: admin.zcard(f"{NAMESPACE}:{{acl:async}}:queue"), 5, "the async waiter to queue"
         )
     assert await waiting
     await second.aextend(20)

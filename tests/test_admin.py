@@ -22,7 +22,7 @@ from django_redis_mutex import Mutex, mutex
 from django_redis_mutex.models import Lock
 from django_redis_mutex.testing import free_port
 
-from .conftest import ROOT
+from .helpers import ROOT
 
 pytestmark = pytest.mark.django_db
 

@@ -21,7 +21,7 @@ from django.contrib.admin.models import DELETION, LogEntry
 
 from django_redis_mutex import Mutex
 
-from .conftest import ROOT
+from .helpers import ROOT
 
 pytestmark = pytest.mark.browser
 

@@ -7,6 +7,7 @@ threads, which are separate lock owners exactly like separate processes.
 from __future__ import annotations
 
 import asyncio
+import copy
 import logging
 import os
 import socket
@@ -18,6 +19,8 @@ from datetime import datetime, timedelta, timezone
 from typing import Any
 
 import pytest
+import redis
+from django.core.cache import caches
 from django.test import override_settings
 
 from django_redis_mutex import (
@@ -33,7 +36,7 @@ from django_redis_mutex import (
     reset_all,
 )
 
-from .conftest import caches_with, wait_until
+from .helpers import cache_options, caches_with, dedicated_redis, take_and_release, wait_until
 
 
 @contextmanager
@@ -76,12 +79,6 @@ def in_thread(func: Any) -> Any:
     if "error" in result:
         raise result["error"]
     return result["value"]
-
-
-def take_and_release(lock: Mutex) -> None:
-    """Wait for ``lock`` as a queued waiter, then let it go (so no hold outlives the test)."""
-    if lock.acquire():
-        lock.release()
 
 
 # -- with block and the handle ----------------------------------------------
@@ -791,3 +788,169 @@ def test_old_async_name_of_time_left_warns_and_answers():
 
     old, new = asyncio.run(main())
     assert 15 < new <= old <= 20
+
+
+def in_other_thread(func: Any) -> Any:
+    """Run ``func`` in a new thread (another lock owner) and return its result."""
+    result: list[Any] = []
+    thread = threading.Thread(target=lambda: result.append(func()))
+    thread.start()
+    thread.join(10)
+    return result[0]
+
+
+# -- Release checks the owner: an expired holder never deletes its successor's lock. ---
+
+
+def test_release_after_expiry_keeps_new_owners_lock():
+    old = Mutex("ledger", ttl=0.1, watchdog=False)
+    assert old.acquire()
+    assert wait_until(lambda: not old.locked())
+    new = Mutex("ledger", watchdog=False)
+    assert in_other_thread(new.acquire)
+    with pytest.raises(LockNotOwned):
+        old.release()
+    assert new.owned()
+    new.release()
+
+
+def test_lock_can_be_released_from_another_thread():
+    lock = Mutex("handover")
+    assert lock.acquire()
+    thread = threading.Thread(target=lock.release)
+    thread.start()
+    thread.join(10)
+    assert not lock.locked()
+    assert lock.token is None
+
+
+# -- An exception from the body is never replaced by a lock error on the way out. ---
+
+
+def test_exit_keeps_body_exception_when_lock_was_lost():
+    with pytest.raises(KeyError, match="from the body"), mutex("victim", watchdog=False):
+        reset("victim")
+        raise KeyError("from the body")
+
+
+# -- Introspection walks keys with SCAN, never KEYS, and stays in its namespace. ---
+
+
+def test_introspection_and_reset_all_work_without_keys_command():
+    with dedicated_redis("--rename-command", "KEYS", "") as (_server, client):
+        with pytest.raises(redis.ResponseError):
+            client.keys("*")
+        locks = [Mutex(n, watchdog=False) for n in ("a", "b*", "c{d}")]
+        for lock in locks:
+            assert lock.acquire()
+        assert sorted(h.name for h in held_locks()) == ["a", "b*", "c{d}"]
+        assert reset_all() == 3
+        assert held_locks() == []
+
+
+def test_reset_all_leaves_other_namespaces_and_cache_keys_alone(mutex_prefix):
+    caches["default"].set(f"{mutex_prefix}-value", "cached")
+    with override_settings(CACHES=caches_with(PREFIX=f"{mutex_prefix}-other")):
+        foreign = Mutex("a", watchdog=False)
+        assert foreign.acquire()
+    ours = Mutex("a", watchdog=False)
+    assert ours.acquire()
+    assert reset_all() == 1
+    assert foreign.owned()
+    assert caches["default"].get(f"{mutex_prefix}-value") == "cached"
+    foreign.release()
+
+
+# -- A dead holder's waiter wakes at the lease end; a releaser never barges the queue. ---
+
+
+def test_waiter_behind_a_dead_holder_is_woken_at_its_ttl_expiry():
+    dead = Mutex("orphaned", ttl=0.5, watchdog=False)
+    assert dead.acquire()  # and never released: its owner "died"
+    started = time.monotonic()
+    waiter = Mutex("orphaned", timeout=10)
+    assert waiter.acquire()
+    assert time.monotonic() - started < 2.0
+    waiter.release()
+
+
+def test_releasing_owner_cannot_barge_ahead_of_a_waiter():
+    holder = Mutex("fair")
+    assert holder.acquire()
+    got = threading.Event()
+    waiter = Mutex("fair", timeout=10)
+
+    def wait_for_it() -> None:
+        if waiter.acquire():
+            got.set()
+
+    thread = threading.Thread(target=wait_for_it)
+    thread.start()
+    assert wait_until(lambda: held_locks()[0].waiters == 1)
+    holder.release()
+    assert holder.acquire(blocking=False) is False
+    assert got.wait(5)
+    thread.join(5)
+    waiter.release()
+
+
+# -- Lock keys live in their own namespace under the cache KEY_PREFIX. -------------
+
+
+def test_lock_keys_live_under_the_cache_key_prefix(namespace_keys, mutex_prefix):
+    with mutex("inventory"):
+        keys = namespace_keys()
+    assert keys
+    assert all(k.startswith(f"tests:{mutex_prefix}:".encode()) for k in keys)
+
+
+def test_cache_value_with_the_lock_name_leaves_the_lock_intact(mutex_prefix):
+    name = f"{mutex_prefix}-inventory"
+    with mutex(name) as lock:
+        caches["default"].set(name, "not a lock")
+        caches["default"].set(f"{mutex_prefix}:{name}", "not a lock either")
+        assert lock.owned()
+    assert caches["default"].get(name) == "not a lock"
+    assert caches["default"].get(f"{mutex_prefix}:{name}") == "not a lock either"
+
+
+def test_same_name_under_another_key_prefix_is_another_lock():
+    entries = caches_with()
+    entries["other"] = {**copy.deepcopy(entries["default"]), "KEY_PREFIX": "otherproject"}
+    with override_settings(CACHES=entries), mutex("inventory"):
+        other = Mutex("inventory", using="other")
+        assert other.acquire(blocking=False)
+        other.release()
+
+
+# -- Clients built with decode_responses work. -------------------------------------
+
+
+def test_client_with_decode_responses_works():
+    entries = caches_with()
+    entries["default"]["OPTIONS"] = {
+        **entries["default"].get("OPTIONS", {}),
+        **cache_options(decode_responses=True),
+    }
+    with override_settings(CACHES=entries):
+        with mutex("decoded", ttl=20, label="utf-8 ✓") as lock:
+            assert lock.owned()
+            assert 15 < lock.time_left() <= 20
+            lock.extend(25)
+            assert (owner := Mutex("decoded").owner()) is not None and owner.label == "utf-8 ✓"
+            [held] = held_locks()
+            assert held.name == "decoded" and held.fence == lock.fence
+            assert in_other_thread(lambda: Mutex("decoded").acquire(blocking=False)) is False
+        assert not lock.locked()
+
+
+# -- Fencing tokens keep growing after their counter expired. ----------------------
+
+
+def test_fence_keeps_growing_after_its_counter_expired(raw):
+    with mutex("fenced") as lock:
+        first = lock.fence
+        fence_key = lock.keys.fence
+    raw.delete(fence_key)  # as if unused past the counter's retention
+    with mutex("fenced") as lock:
+        assert lock.fence > first

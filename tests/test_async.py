@@ -27,17 +27,7 @@ from django_redis_mutex import (
     signals,
 )
 
-from .conftest import caches_with
-
-
-async def until(predicate: Any, timeout: float = 5.0) -> bool:
-    """Poll an async ``predicate`` until it is true or ``timeout`` passes."""
-    deadline = time.monotonic() + timeout
-    while not await predicate():
-        if time.monotonic() >= deadline:
-            return False
-        await asyncio.sleep(0.01)
-    return True
+from .helpers import await_until, cache_options, caches_with, dedicated_redis
 
 
 async def waiters(name: str) -> int:
@@ -238,7 +228,7 @@ def test_waiting_task_gets_lock_when_other_task_releases():
         assert await holder.aacquire()
         waiter_lock = Mutex("handoff", timeout=10)
         waiter = asyncio.create_task(waiter_lock.aacquire())
-        assert await until(lambda: _one_waiter("handoff"))
+        assert await await_until(lambda: _one_waiter("handoff"))
         released = time.monotonic()
         await holder.arelease()
         assert await waiter
@@ -343,7 +333,7 @@ def test_cancelled_waiter_leaves_the_queue_without_the_lock():
         assert await holder.aacquire()
         waiter_lock = Mutex("busy", timeout=10)
         waiter = asyncio.create_task(waiter_lock.aacquire())
-        assert await until(lambda: _one_waiter("busy"))
+        assert await await_until(lambda: _one_waiter("busy"))
         waiter.cancel()
         with pytest.raises(asyncio.CancelledError):
             await waiter
@@ -364,7 +354,7 @@ def test_cancelling_a_waiter_is_never_swallowed():
         holder = Mutex("busy")
         assert await holder.aacquire()
         waiter = asyncio.create_task(Mutex("busy", timeout=10).aacquire())
-        assert await until(lambda: _one_waiter("busy"))
+        assert await await_until(lambda: _one_waiter("busy"))
         started = time.monotonic()
         waiter.cancel()
         try:
@@ -508,7 +498,7 @@ def test_cancelling_aacquire_during_its_first_round_trip_leaves_no_lock_held(
         async def granted() -> bool:
             return bool(raw.exists(key))
 
-        assert await until(granted, timeout=10)
+        assert await await_until(granted, timeout=10)
         task.cancel()
         with pytest.raises(asyncio.CancelledError):
             await task
@@ -579,3 +569,75 @@ def test_an_async_generator_using_a_shared_mutex_closed_from_another_task_releas
     from django_redis_mutex.watchdog import get_watchdog
 
     assert not get_watchdog()._holds
+
+
+# -- Tasks on one thread are separate owners; a cancelled release keeps its token. ---
+
+
+def test_tasks_on_one_thread_do_not_share_a_token():
+    async def other_task(name: str) -> tuple[bool, bool]:
+        intruder = Mutex(name)
+        got = await intruder.aacquire(blocking=False)
+        try:
+            await intruder.arelease()
+            released = True
+        except LockNotOwned:
+            released = False
+        return got, released
+
+    async def main() -> tuple[bool, bool, bool]:
+        async with mutex("shared-thread") as lock:
+            got, released = await asyncio.create_task(other_task("shared-thread"))
+            return got, released, await lock.aowned()
+
+    assert asyncio.run(main()) == (False, False, True)
+
+
+def test_cancelled_async_release_keeps_token_so_retry_works():
+    with dedicated_redis() as (_server, client):
+
+        async def main() -> tuple[str | None, bool, bool]:
+            lock = Mutex("payment", watchdog=False)
+            assert await lock.aacquire()
+            client.client_pause(5000, all=False)  # hold writes (EVALSHA) at the server
+            try:
+                releasing = asyncio.create_task(lock.arelease())
+                # Cancel only once the release is in flight, parked at the server.
+                deadline = time.monotonic() + 5
+                while not any(c.get("cmd") == "evalsha" for c in client.client_list()):
+                    assert time.monotonic() < deadline, "the release never reached Redis"
+                    await asyncio.sleep(0.005)
+                releasing.cancel()
+                with pytest.raises(asyncio.CancelledError):
+                    await releasing
+            finally:
+                client.client_unpause()
+            token_after_cancel = lock.token
+            still_held = await lock.aowned()
+            await lock.arelease()  # the retry
+            return token_after_cancel, still_held, await lock.alocked()
+
+        token, still_held, locked_after_retry = asyncio.run(main())
+    assert token is not None
+    assert still_held
+    assert not locked_after_retry
+
+
+# -- Async clients built with decode_responses work. -------------------------------
+
+
+def test_async_client_with_decode_responses_works():
+    entries = caches_with()
+    entries["default"]["OPTIONS"] = {
+        **entries["default"].get("OPTIONS", {}),
+        **cache_options(decode_responses=True),
+    }
+
+    async def main() -> tuple[bool, float, bool]:
+        async with mutex("decoded", ttl=20) as lock:
+            owned, left = await lock.aowned(), await lock.atime_left()
+        return owned, left, await lock.alocked()
+
+    with override_settings(CACHES=entries):
+        owned, left, locked_after = asyncio.run(main())
+    assert owned and 15 < left <= 20 and not locked_after

@@ -32,7 +32,7 @@ from django_redis_mutex import (
 )
 from django_redis_mutex.testing import RedisServer, free_port
 
-from .conftest import cache_options
+from .helpers import cache_options, dedicated_redis
 
 # Generous bound for "promptly": far below the suite's 5 s socket timeout.
 PROMPT = 2.0
@@ -276,3 +276,32 @@ def test_watchdog_keeps_a_hold_alive_across_a_brief_outage():
             assert lock.owned()
             time.sleep(0.1)
         assert not lock.lost
+
+
+# -- A release that failed while Redis was down can be retried; the body's own exception wins. ---
+
+
+def test_release_failing_while_redis_is_down_can_be_retried_when_it_is_back():
+    # appendfsync always: the lock survives the kill, as on a real restart.
+    with dedicated_redis("--appendonly", "yes", "--appendfsync", "always") as (server, _client):
+        lock = Mutex("payment", watchdog=False)
+        assert lock.acquire()
+        token = lock.token
+        server.kill()
+        with pytest.raises(LockBackendUnavailable, match="payment"):
+            lock.release()
+        assert lock.token == token
+        server.start()
+        assert lock.owned()
+        lock.release()
+        assert not lock.locked()
+
+
+def test_exit_keeps_body_exception_when_redis_is_down():
+    with (
+        dedicated_redis() as (server, _client),
+        pytest.raises(KeyError, match="from the body"),
+        mutex("victim", watchdog=False),
+    ):
+        server.kill()
+        raise KeyError("from the body")

@@ -24,13 +24,12 @@ from django_redis_mutex.client import namespace
 from django_redis_mutex.keys import LockKeys, escape_name
 from django_redis_mutex.testing import RedisClusterServers
 
+from .helpers import await_until, wait_until
 from .topologies import (
     SectionWorkers,
-    apoll_until,
     cluster_entry,
     extra_caches,
     names_on_every_primary,
-    poll_until,
     primary_port_of_slot,
 )
 
@@ -131,7 +130,7 @@ def test_lock_with_a_hostile_name_excludes_and_hands_over_on_the_cluster(
     thread = threading.Thread(target=wait_for_it)
     thread.start()
     assert waiter_started.wait(5)
-    poll_until(lambda: any(h.waiters for h in held_locks(using=ALIAS)), 5, "the waiter to queue")
+    wait_until(lambda: any(h.waiters for h in held_locks(using=ALIAS)), 5, "the waiter to queue")
     first_fence = holder.fence or 0
     holder.release()
     thread.join(10)
@@ -253,7 +252,7 @@ def test_reset_hands_a_cluster_lock_to_its_waiter(cluster_caches: RedisClusterSe
 
     thread = threading.Thread(target=wait_for_it)
     thread.start()
-    poll_until(lambda: any(h.waiters for h in held_locks(using=ALIAS)), 5, "the waiter to queue")
+    wait_until(lambda: any(h.waiters for h in held_locks(using=ALIAS)), 5, "the waiter to queue")
 
     assert reset("reset-me", using=ALIAS) is True
     assert granted.wait(5)
@@ -297,7 +296,7 @@ def test_async_lock_excludes_and_hands_over_on_the_cluster(
                 return waiter.fence or 0
 
         waiting = asyncio.create_task(wait_for_it())
-        await apoll_until(
+        await await_until(
             lambda: any(h.waiters for h in held_locks(using=ALIAS)), 5, "the waiter to queue"
         )
         await holder.arelease()

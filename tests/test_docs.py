@@ -19,7 +19,7 @@ import pytest
 
 from django_redis_mutex import held_locks
 
-from .conftest import ROOT
+from .helpers import ROOT
 
 DOCUMENTS = [ROOT / "README.rst", *sorted((ROOT / "docs").glob("*.rst"))]
 DIRECTIVE = re.compile(r"^(\s*)\.\. code-block::\s*(\S+)\s*$")

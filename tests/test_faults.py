@@ -39,7 +39,7 @@ from django_redis_mutex.client import BLOCKING_GRACE
 from django_redis_mutex.scripts import WAIT_LEASE
 from django_redis_mutex.testing import RedisServer
 
-from .conftest import poll_until, run_worker
+from .helpers import run_worker, wait_until
 from .history import History, Section
 from .proxy import Proxy
 
@@ -219,7 +219,7 @@ def test_proxy_cut_fails_a_blocked_command_at_once(proxy: Proxy, raw: redis.Redi
     blocker = threading.Thread(target=block)
     try:
         blocker.start()
-        poll_until(
+        wait_until(
             lambda: any(c["cmd"] == "blpop" for c in raw.client_list()),
             5,
             "the BLPOP reaching Redis",
@@ -377,7 +377,7 @@ def wait_for_sections(
     workers: list[WorkerRun], after: float, count: int, timeout: float, what: str
 ) -> None:
     """Wait until ``count`` sections were entered after ``after`` across ``workers``."""
-    poll_until(lambda: sections_entered_after(workers, after) >= count, timeout, what)
+    wait_until(lambda: sections_entered_after(workers, after) >= count, timeout, what)
 
 
 def stop_and_collect(
@@ -444,7 +444,7 @@ def test_waiter_takes_over_promptly_when_a_killed_holders_lease_ends(
     raw.rpush(data_key("holder-gate"), "go")
     acquired = holder.expect("acquired")
     raw.rpush(data_key("waiter-gate"), "go")
-    poll_until(lambda: raw.zcard(Mutex("killed").keys.queue) == 1, 10, "the waiter queueing")
+    wait_until(lambda: raw.zcard(Mutex("killed").keys.queue) == 1, 10, "the waiter queueing")
     killed_at = time.time()
     os.kill(holder.pid, signal.SIGKILL)
     assert killed_at < acquired["before"] + ttl, "too slow: the lease ran out before the kill"
@@ -510,7 +510,7 @@ def test_redis_restart_fails_waiters_promptly_and_no_holders_overlap_after_it(
         ]
         start_together(raw, barrier, workers)
         wait_for_sections(workers, 0, 10, STEP_TIMEOUT, "10 sections before the restart")
-        poll_until(
+        wait_until(
             lambda: locks.exists(keys.lock) and locks.zcard(keys.queue) >= 2,
             10,
             "a holder with two waiters",
@@ -631,7 +631,7 @@ class StallRun:
         start_together(raw, barrier, workers)
         wait_for_sections(workers, 0, 5, STEP_TIMEOUT, "5 sections before the stall")
         # Stall while a section runs, so its holder's release is caught in the stall.
-        poll_until(lambda: bool(raw.exists(Mutex("stalled").keys.lock)), 10, "a holder")
+        wait_until(lambda: bool(raw.exists(Mutex("stalled").keys.lock)), 10, "a holder")
 
         self.stalled_at = time.time()
         proxy.stall()
@@ -768,7 +768,7 @@ def test_failed_release_is_never_reentered_without_asking_redis(
         finally:
             proxy.resume()
         # The release was only late: it reaches Redis now, and the lock is free.
-        poll_until(lambda: not raw.exists(first.keys.lock), 10, "the late release")
+        wait_until(lambda: not raw.exists(first.keys.lock), 10, "the late release")
         other = Mutex("zombie", using="direct", watchdog=False)
         assert other.acquire(blocking=False)
         try:
@@ -793,7 +793,7 @@ def test_failed_arelease_is_never_reentered_without_asking_redis(
                 await first.arelease()
         finally:
             proxy.resume()
-        poll_until(lambda: not raw.exists(first.keys.lock), 10, "the late release")
+        wait_until(lambda: not raw.exists(first.keys.lock), 10, "the late release")
         other = Mutex("zombie", using="direct", watchdog=False)
         assert other.acquire(blocking=False)
         try:

@@ -45,8 +45,8 @@ from tests.testapp.models import (
 )
 
 from . import databases
-from .conftest import poll_until
 from .databases import MariaDBServer, PostgresServer
+from .helpers import wait_until
 from .worker import Worker
 
 # A realistic token (microseconds since the epoch): past 32 bits, so a column
@@ -835,7 +835,7 @@ def test_stale_writer_that_read_before_a_newer_commit_is_refused_after_it(
         if database.vendor != "sqlite":
             # SQLite shows no lock waits; its writer waits on the file lock all the same.
             # A stale writer that ended instead is reported by the checks below.
-            poll_until(
+            wait_until(
                 lambda: _lock_waiters(database) > 0 or not stale_thread.is_alive(),
                 STEP_TIMEOUT,
                 f"the stale write to wait on the newer writer's row lock ({outcome})",

@@ -24,7 +24,7 @@ from django_redis_mutex import LockBackendUnavailable, LockLost, Mutex, mutex, s
 from django_redis_mutex.client import get_client
 from django_redis_mutex.testing import RedisServer
 
-from .conftest import cache_options, poll_until
+from .helpers import cache_options, wait_until
 from .topologies import extra_caches, master_entries, redis_servers
 
 ALIASES = ["v1", "v2", "v3"]
@@ -59,17 +59,17 @@ def test_a_waiter_whose_loop_stalls_through_its_hand_over_lease_asks_redis_befor
         assert lock.acquire()
         third["in"] = time.monotonic()
         # Hold until the stalled waiter's loop has long resumed.
-        poll_until(lambda: time.monotonic() - third["in"] > 2.5, 10, "the third party's hold")
+        wait_until(lambda: time.monotonic() - third["in"] > 2.5, 10, "the third party's hold")
         third["out"] = time.monotonic()
         lock.release()
 
     waiter_thread = threading.Thread(target=lambda: asyncio.run(waiter()))
     waiter_thread.start()
     assert loop_ready.wait(10)
-    poll_until(lambda: _queue_length(name) == 1, 10, "the async waiter to queue")
+    wait_until(lambda: _queue_length(name) == 1, 10, "the async waiter to queue")
     third_thread = threading.Thread(target=third_party)
     third_thread.start()
-    poll_until(lambda: _queue_length(name) == 2, 10, "the third party to queue")
+    wait_until(lambda: _queue_length(name) == 2, 10, "the third party to queue")
 
     def stall() -> None:
         stalled.set()
@@ -134,7 +134,7 @@ def test_a_quorum_hold_whose_validity_runs_out_without_a_majority_renewal_is_los
         ):
             quorum[0].pause()
             quorum[1].pause()
-            poll_until(lambda: lost, 10, "the hold to be declared lost")
+            wait_until(lambda: lost, 10, "the hold to be declared lost")
             quorum[0].resume()
             quorum[1].resume()
     finally:
@@ -149,7 +149,7 @@ def test_a_quorum_hold_is_renewed_before_its_validity_runs_out(
 ) -> None:
     with mutex("renewed-in-time", using=ALIASES, ttl=0.6) as lock:
         start = time.monotonic()
-        poll_until(lambda: time.monotonic() - start > 2.0, 5, "three leases to pass")
+        wait_until(lambda: time.monotonic() - start > 2.0, 5, "three leases to pass")
         assert not lock.lost and lock.owned()
 
 
@@ -273,10 +273,10 @@ def test_contended_waits_succeed_with_a_small_socket_timeout(
     ]
     for waiter in waiters:
         waiter.start()
-    poll_until(lambda: _queue_length("small-timeout") == 3, 10, "three waiters in line")
+    wait_until(lambda: _queue_length("small-timeout") == 3, 10, "three waiters in line")
     # Hold for several socket timeouts, so each waiter blocks on Redis many times over.
     held_since = time.monotonic()
-    poll_until(lambda: time.monotonic() - held_since > 1.5, 5, "the holder's section")
+    wait_until(lambda: time.monotonic() - held_since > 1.5, 5, "the holder's section")
     holder.release()
     for waiter in waiters:
         waiter.join(30)
@@ -296,7 +296,7 @@ def test_a_waiter_process_paused_through_its_hand_over_lease_asks_redis_before_e
     assert holder.acquire()
     waiter = spawn("wait.py", name, 60)
     waiter.expect("waiting")
-    poll_until(lambda: _queue_length(name) == 1, 10, "the waiter process to queue")
+    wait_until(lambda: _queue_length(name) == 1, 10, "the waiter process to queue")
     third: dict[str, float] = {}
 
     def third_party() -> None:
@@ -304,17 +304,17 @@ def test_a_waiter_process_paused_through_its_hand_over_lease_asks_redis_before_e
         assert lock.acquire()
         third["in"] = time.time()
         # Hold until well after the paused waiter was resumed.
-        poll_until(lambda: "resumed" in third and time.time() - third["resumed"] > 1.0, 30, "hold")
+        wait_until(lambda: "resumed" in third and time.time() - third["resumed"] > 1.0, 30, "hold")
         third["out"] = time.time()
         lock.release()
 
     thread = threading.Thread(target=third_party)
     thread.start()
-    poll_until(lambda: _queue_length(name) == 2, 10, "the third party to queue")
+    wait_until(lambda: _queue_length(name) == 2, 10, "the third party to queue")
     os.kill(waiter.pid, signal.SIGSTOP)
     try:
         holder.release()  # handed to the paused waiter with the 4 s hand-over lease
-        poll_until(lambda: "in" in third, 15, "the third party to take the lapsed hand-over")
+        wait_until(lambda: "in" in third, 15, "the third party to take the lapsed hand-over")
     finally:
         os.kill(waiter.pid, signal.SIGCONT)
         third["resumed"] = time.time()

@@ -20,7 +20,7 @@ from typing import Any
 import pytest
 import redis
 
-from .conftest import run_worker
+from .helpers import run_worker
 from .history import History
 
 pytestmark = pytest.mark.slow

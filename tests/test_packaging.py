@@ -26,7 +26,7 @@ import pytest
 
 import django_redis_mutex
 
-from .conftest import ROOT
+from .helpers import ROOT
 
 PACKAGE = ROOT / "django_redis_mutex"
 PYPROJECT = ROOT / "pyproject.toml"

@@ -24,7 +24,7 @@ import redis
 
 from django_redis_mutex import Mutex
 
-from .conftest import poll_until
+from .helpers import wait_until
 from .worker import STEP_TIMEOUT, Worker
 
 # Generous bound: these tests run on a busy 2-core machine.
@@ -113,9 +113,9 @@ def test_waiter_takes_over_soon_after_holder_is_killed(
     acquired = holder.expect("acquired", timeout=START_TIMEOUT)
     waiter = spawn("wait.py", "crash", 10)
     waiter.expect("waiting", timeout=START_TIMEOUT)
-    poll_until(lambda: queued(raw, "crash") == 1, 10, "the waiter queueing")
+    wait_until(lambda: queued(raw, "crash") == 1, 10, "the waiter queueing")
     # Let the holder keep its lock past one lease, so only the kill can free it.
-    poll_until(lambda: time.time() - acquired["t"] > 1.5 * ttl, 10, "a hold past one lease")
+    wait_until(lambda: time.time() - acquired["t"] > 1.5 * ttl, 10, "a hold past one lease")
     assert raw.hget(Mutex("crash").keys.lock, "token") == acquired["token"].encode()
 
     killed_at = time.time()
@@ -139,7 +139,7 @@ def test_release_wakes_waiting_process_at_once(
     try:
         waiter = spawn("wait.py", "wake", 10)
         waiter.expect("waiting", timeout=START_TIMEOUT)
-        poll_until(lambda: queued(raw, "wake") == 1, 10, "the waiter queueing")
+        wait_until(lambda: queued(raw, "wake") == 1, 10, "the waiter queueing")
     finally:
         released_at = time.time()
         lock.release()

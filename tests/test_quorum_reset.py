@@ -40,7 +40,7 @@ from django_redis_mutex.client import namespace
 from django_redis_mutex.keys import LockKeys
 from django_redis_mutex.testing import RedisServer
 
-from .conftest import ROOT, poll_until
+from .helpers import ROOT, wait_until
 from .topologies import extra_caches, master_entries, redis_servers
 from .worker import Worker
 
@@ -364,7 +364,7 @@ def test_command_reset_through_quorum_alias_frees_every_master(
 
     assert out.splitlines() == ["Released 'imports'.", "'never-taken' was not held."]
     assert tokens_on_masters(quorum, "imports") == [None] * 3
-    poll_until(lambda: lock.lost, STEP, "the watchdog to notice the reset")
+    wait_until(lambda: lock.lost, STEP, "the watchdog to notice the reset")
     assert tokens_on_masters(quorum, "imports") == [None] * 3
     with pytest.raises(LockNotOwned):
         lock.release()
@@ -486,7 +486,7 @@ def test_admin_lists_and_releases_a_quorum_lock_on_every_master(
     assert _messages(response) == ["Released 1 lock."]
     assert response.context["locks"] == []
     assert tokens_on_masters(quorum, "orders:7") == [None] * 3
-    poll_until(lambda: lock.lost, STEP, "the watchdog to notice the release")
+    wait_until(lambda: lock.lost, STEP, "the watchdog to notice the release")
     assert tokens_on_masters(quorum, "orders:7") == [None] * 3
     assert LogEntry.objects.count() == 1
 

@@ -30,7 +30,8 @@ from django_redis_mutex.client import namespace
 from django_redis_mutex.keys import LockKeys
 from django_redis_mutex.testing import RedisServer
 
-from .topologies import SectionWorkers, extra_caches, master_entries, poll_until, redis_servers
+from .helpers import wait_until
+from .topologies import SectionWorkers, extra_caches, master_entries, redis_servers
 
 ALIASES = ["q1", "q2", "q3"]
 FOREIGN_OWNER = {"host": "elsewhere", "pid": 4242, "thread": "MainThread", "label": "foreign"}
@@ -127,10 +128,10 @@ def test_processes_keep_excluding_when_a_master_is_killed_mid_run(
     workers = SectionWorkers(raw, caches, ALIASES, workers=2, threads=3, names=2, hold=0.002)
     try:
         workers.start()
-        poll_until(lambda: workers.counted() >= 30, 30, "30 sections before the kill")
+        wait_until(lambda: workers.counted() >= 30, 30, "30 sections before the kill")
         quorum[1].kill()
         after_kill = workers.counted()
-        poll_until(
+        wait_until(
             lambda: workers.counted() >= after_kill + 30, 30, "30 sections with one master dead"
         )
         workers.stop()
@@ -369,7 +370,7 @@ def test_holder_is_told_when_a_majority_of_masters_forgets_its_lock(
     ):
         quorum[0].restart()
         quorum[1].restart()
-        poll_until(lambda: lock.lost, 5, "the watchdog to notice the lost majority")
+        wait_until(lambda: lock.lost, 5, "the watchdog to notice the lost majority")
 
 
 # -- the QUORUM alias --------------------------------------------------------------------------

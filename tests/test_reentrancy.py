@@ -21,7 +21,7 @@ import pytest
 from django_redis_mutex import LockLost, LockNotOwned, Mutex, mutex, reset
 from django_redis_mutex.holds import _scopes
 
-from .conftest import poll_until
+from .helpers import wait_until
 
 
 class ServerThread:
@@ -144,7 +144,7 @@ def test_a_lease_lapse_under_a_nested_block_of_the_same_handle_is_reported_at_th
 ):
     lock = Mutex("nested-lapse", watchdog=False, ttl=0.2)
     with pytest.raises(LockLost), lock:
-        poll_until(lambda: not Mutex("nested-lapse").locked(), 5, "the lease to lapse")
+        wait_until(lambda: not Mutex("nested-lapse").locked(), 5, "the lease to lapse")
         with lock:
             pass
 
@@ -168,8 +168,8 @@ def test_a_handle_shared_by_two_threads_hands_over_and_the_taker_can_release(tri
     thread = threading.Thread(target=taker)
     thread.start()
     # The taker is queued behind us on the same lock.
-    poll_until(lambda: shared._current() is not None and Mutex("shared-handle").locked(), 5, "hold")
-    poll_until(lambda: _queued("shared-handle"), 5, "the taker to queue")
+    wait_until(lambda: shared._current() is not None and Mutex("shared-handle").locked(), 5, "hold")
+    wait_until(lambda: _queued("shared-handle"), 5, "the taker to queue")
     shared.release()
     assert taken.wait(10)
     thread.join(10)

@@ -24,7 +24,8 @@ import redis
 from django_redis_mutex import LockBackendUnavailable, LockNotOwned, Mutex, held_locks, mutex
 from django_redis_mutex.testing import RedisServer
 
-from .topologies import SectionWorkers, SentinelGroup, apoll_until, extra_caches, poll_until
+from .helpers import await_until, wait_until
+from .topologies import SectionWorkers, SentinelGroup, extra_caches
 
 ALIAS = "sentinel"
 
@@ -78,7 +79,7 @@ def test_sentinel_alias_locks_on_the_master_and_replicates(steady: SentinelGroup
     with mutex("inventory", using=ALIAS) as lock:
         ours = lock.token
         on_master = token_on(steady.master.port, lock.keys.lock)
-        poll_until(
+        wait_until(
             lambda: all(token_on(r.port, lock.keys.lock) == ours for r in steady.replica_servers()),
             10,
             "the lock to reach both replicas",
@@ -105,7 +106,7 @@ def test_async_sentinel_lock_excludes_and_hands_over(steady: SentinelGroup) -> N
                 return waiter.fence or 0
 
         waiting = asyncio.create_task(wait_for_it())
-        await apoll_until(
+        await await_until(
             lambda: any(h.waiters for h in held_locks(using=ALIAS)), 5, "the waiter to queue"
         )
         first_fence = holder.fence or 0
@@ -175,12 +176,12 @@ def test_failover_during_a_run_keeps_exclusion_and_fence_order(
     )
     try:
         workers.start()
-        poll_until(lambda: workers.counted() >= 20, 30, "20 sections before the failover")
+        wait_until(lambda: workers.counted() >= 20, 30, "20 sections before the failover")
         killed: list[float] = []
         new = group.fail_over(while_down=lambda: killed.append(time.time()))
         killed_at, promoted_at = killed[0], time.time()
         settled = workers.counted()
-        poll_until(lambda: workers.counted() >= settled + 20, 30, "20 sections after the failover")
+        wait_until(lambda: workers.counted() >= settled + 20, 30, "20 sections after the failover")
         workers.stop()
         history = workers.finish()
     finally:
@@ -234,7 +235,7 @@ def test_lock_replicated_before_failover_survives_and_keeps_excluding(
 ) -> None:
     holder = Mutex("report", using=ALIAS, ttl=10)
     assert holder.acquire()
-    poll_until(
+    wait_until(
         lambda: all(
             token_on(r.port, holder.keys.lock) == holder.token for r in group.replica_servers()
         ),
@@ -275,7 +276,7 @@ def test_lock_held_at_failover_can_be_lost_but_fences_still_order(group: Sentine
     """
     with mutex("report", using=ALIAS) as earlier:
         replicated_fence = earlier.fence or 0
-    poll_until(
+    wait_until(
         lambda: all(
             fence_on(r.port, earlier.keys.fence) == replicated_fence
             for r in group.replica_servers()

@@ -15,6 +15,8 @@ from django.dispatch import Signal
 from django_redis_mutex import LockLost, LockNotOwned, Mutex, held_locks, mutex, reset, signals
 from django_redis_mutex.signals import lock_acquired, lock_contended, lock_lost, lock_released
 
+from .helpers import wait_until
+
 
 class Received(list[dict[str, Any]]):
     """Every send of one signal: sender, kwargs (without ``signal``) and the sending thread."""
@@ -57,13 +59,6 @@ def held_elsewhere(name: str, **options: Any) -> Iterator[Mutex]:
     finally:
         if lock.owned():
             lock.release()
-
-
-def wait_until(predicate: Callable[[], bool], timeout: float = 5.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        assert time.monotonic() < deadline, "condition not reached in time"
-        time.sleep(0.005)
 
 
 def test_lock_acquired_is_sent_with_name_fence_and_wait(receive: Any) -> None:

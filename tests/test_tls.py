@@ -31,7 +31,7 @@ from django_redis_mutex import LockContended, Mutex, held_locks, mutex, reset, r
 from django_redis_mutex.client import get_async_client, get_client
 from django_redis_mutex.testing import RedisServer, free_port
 
-from .conftest import poll_until
+from .helpers import await_until, wait_until
 
 pytestmark = pytest.mark.skipif(shutil.which("openssl") is None, reason="needs openssl")
 
@@ -235,11 +235,8 @@ async def async_workload(admin: redis.Redis) -> None:
         assert await first.aowned()
         second = Mutex("tls:async", ttl=5)
         waiting = asyncio.ensure_future(second.aacquire(timeout=10))
-        await asyncio.to_thread(
-            poll_until,
-            lambda: admin.zcard("tests:mutextls:{tls:async}:queue"),
-            5,
-            "the async waiter to queue",
+        await await_until(
+            lambda: admin.zcard("tests:mutextls:{tls:async}:queue"), 5, "the async waiter to queue"
         )
     assert await waiting  # handed over and woken over TLS (BLPOP on the async client)
     assert await second.atime_left() > 0
@@ -320,7 +317,7 @@ def tls_cluster(certs: Certificates, primaries: int = 3) -> Iterator[list[TLSRed
             client.execute_command("CLUSTER", "ADDSLOTS", *range(index * share, last + 1))
         for client in clients[1:]:
             client.execute_command("CLUSTER", "MEET", "127.0.0.1", nodes[0].port)
-        poll_until(
+        wait_until(
             lambda: all(
                 b"cluster_state:ok" in c.execute_command("CLUSTER", "INFO") for c in clients
             ),
@@ -438,7 +435,7 @@ def tls_sentinel(certs: Certificates, service: str) -> Iterator[tuple[TLSRedisSe
                 return False
             return bool(found) and int(found[1]) == master.port
 
-        poll_until(sentinel_knows_master, 15, "the TLS sentinel to answer for the master")
+        wait_until(sentinel_knows_master, 15, "the TLS sentinel to answer for the master")
         yield master, sentinel_port
     finally:
         if admin is not None:

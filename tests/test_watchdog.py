@@ -7,15 +7,24 @@ fails, and when an operator resets the lock under it.
 
 from __future__ import annotations
 
+import logging
 import random
 import time
+from typing import Any
 
 import pytest
+from django.test import override_settings
 
-from django_redis_mutex import LockLost, Mutex, mutex, reset, signals
+from django_redis_mutex import (
+    LockLost,
+    Mutex,
+    mutex,
+    reset,
+    signals,
+)
 from django_redis_mutex.watchdog import get_watchdog
 
-from .conftest import wait_until
+from .helpers import caches_with, wait_until
 
 
 def test_failing_lock_lost_receiver_does_not_stop_renewal_of_other_locks(raw):
@@ -65,3 +74,42 @@ def test_a_lock_reset_under_its_holder_is_still_reported_lost():
         assert wait_until(lambda: lock.lost, timeout=5)
         hold = lock._hold
     assert not get_watchdog().watching(hold)
+
+
+# -- Renewal stops when the lock is gone or released, and at MAX_HOLD. -------------
+
+
+def test_watchdog_stops_on_not_owner_and_tells_the_holder():
+    lost: list[str] = []
+
+    def on_lost(sender: str, name: str, **kwargs: Any) -> None:
+        lost.append(name)
+
+    signals.lock_lost.connect(on_lost)
+    try:
+        with pytest.raises(LockLost, match="watched"), mutex("watched", ttl=0.3) as lock:
+            hold = lock._hold
+            assert reset("watched")
+            assert wait_until(lambda: lock.lost, timeout=3)
+            assert not get_watchdog().watching(hold)
+            assert not lock.locked()  # never re-created by a renewal
+    finally:
+        signals.lock_lost.disconnect(on_lost)
+    assert lost == ["watched"]
+
+
+def test_watchdog_stops_renewing_after_release():
+    with mutex("brief", ttl=0.3) as lock:
+        hold = lock._hold
+        assert get_watchdog().watching(hold)
+    assert not get_watchdog().watching(hold)
+
+
+def test_max_hold_stops_renewal_of_a_hung_holder(caplog):
+    with override_settings(CACHES=caches_with(MAX_HOLD=0.4)):
+        hung = Mutex("hung", ttl=0.3)
+        with caplog.at_level(logging.WARNING, logger="django_redis_mutex"):
+            assert hung.acquire()
+            assert wait_until(lambda: not hung.locked(), timeout=5)
+    assert any("hung" in r.getMessage() and "MAX_HOLD" in r.getMessage() for r in caplog.records)
+    assert Mutex("hung", watchdog=False).acquire(blocking=False)

@@ -19,7 +19,6 @@ sections (``tests/history.py``) and the counters they incremented.
 
 from __future__ import annotations
 
-import asyncio
 import copy
 import json
 import os
@@ -47,18 +46,16 @@ from django_redis_mutex.testing import (
     free_port,
 )
 
-from .conftest import poll_until, run_worker
+from .helpers import run_worker, wait_until
 from .history import History
 
 __all__ = [
     "SectionWorkers",
     "SentinelGroup",
-    "apoll_until",
     "cluster_entry",
     "extra_caches",
     "master_entries",
     "names_on_every_primary",
-    "poll_until",
     "primary_port_of_slot",
 ]
 
@@ -67,11 +64,6 @@ START_TIMEOUT = 30.0
 FAILOVER_TIMEOUT = 30.0
 # Short socket timeouts: a hung server is reported within seconds, a dead one at once.
 SOCKET_OPTIONS = {"SOCKET_CONNECT_TIMEOUT": 0.5, "SOCKET_TIMEOUT": 2}
-
-
-async def apoll_until(check: Callable[[], Any], timeout: float, what: str) -> Any:
-    """Async twin of :func:`poll_until`; ``check`` runs in a thread (it may block on Redis)."""
-    return await asyncio.to_thread(poll_until, check, timeout, what)
 
 
 @contextmanager
@@ -231,7 +223,7 @@ class SentinelGroup:
                     extra_args=[*fast_sync, "--replicaof", "127.0.0.1", str(master.port)],
                 )
                 self.servers.append(replica.start())
-            poll_until(
+            wait_until(
                 lambda: self._replicas_in_sync(master),
                 START_TIMEOUT,
                 "the replicas to sync with the master",
@@ -241,13 +233,13 @@ class SentinelGroup:
                 self._write_config(sentinel, index, master.port)
                 self._launch(sentinel)
             for sentinel in self.sentinels:
-                poll_until(
+                wait_until(
                     lambda s=sentinel: _pings(s.port),
                     START_TIMEOUT,
                     f"sentinel on port {sentinel.port} to answer",
                 )
                 self._speed_up(sentinel)
-            poll_until(
+            wait_until(
                 self._sentinels_agree,
                 START_TIMEOUT,
                 "the sentinels to discover each other and the replicas",
@@ -385,7 +377,7 @@ class SentinelGroup:
             info = _info(ports[0])
             return self.server(ports[0]) if info and info.get("role") == "master" else None
 
-        return poll_until(
+        return wait_until(
             promoted, timeout, f"the sentinels to replace the master on {old.port}", interval=0.05
         )
 

@@ -3,7 +3,7 @@
 A worker talks to the test that started it through stdout, one JSON object per
 line with an ``event`` key (plus the worker's ``pid`` and ``time.time()`` as
 ``t``), flushed at once so the test sees each step when it happens. Workers
-are started by ``tests.conftest.run_worker``, which sets DJANGO_SETTINGS_MODULE,
+are started by ``tests.helpers.run_worker``, which sets DJANGO_SETTINGS_MODULE,
 the test server's URL and the test's lock namespace in the environment; each
 worker calls ``django.setup()`` itself before importing the app.
 """

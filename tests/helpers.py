@@ -1,0 +1,150 @@
+"""Helpers shared by the test modules: paths, worker processes, settings, polling.
+
+Fixtures live in ``conftest.py``; plain functions live here, imported by name.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+import inspect
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+__all__ = [
+    "ROOT",
+    "USING_DJANGO_BACKEND",
+    "await_until",
+    "cache_options",
+    "caches_with",
+    "dedicated_redis",
+    "run_worker",
+    "take_and_release",
+    "wait_until",
+]
+
+ROOT = Path(__file__).resolve().parent.parent
+
+USING_DJANGO_BACKEND = os.environ.get("DJANGO_REDIS_MUTEX_TEST_BACKEND") == "django"
+
+
+def wait_until(
+    check: Callable[[], Any],
+    timeout: float = 5.0,
+    what: str = "the condition",
+    interval: float = 0.01,
+) -> Any:
+    """Return the first truthy result of ``check()``; fail naming ``what`` after ``timeout``.
+
+    The one way tests wait for something another thread, process or server
+    does: poll with a deadline, never a bare sleep.
+    """
+    deadline = time.monotonic() + timeout
+    while True:
+        result = check()
+        if result:
+            return result
+        if time.monotonic() >= deadline:
+            raise AssertionError(f"Timed out after {timeout}s waiting for {what}.")
+        time.sleep(interval)
+
+
+async def await_until(
+    check: Callable[[], Any],
+    timeout: float = 5.0,
+    what: str = "the condition",
+    interval: float = 0.01,
+) -> Any:
+    """Async twin of :func:`wait_until` for tests running on an event loop.
+
+    An ``async def`` check is awaited on the loop; a plain one runs in a worker
+    thread, since it may block on Redis.
+    """
+    deadline = time.monotonic() + timeout
+    while True:
+        if inspect.iscoroutinefunction(check):
+            result = await check()
+        else:
+            result = await asyncio.to_thread(check)
+            if inspect.isawaitable(result):
+                result = await result
+        if result:
+            return result
+        if time.monotonic() >= deadline:
+            raise AssertionError(f"Timed out after {timeout}s waiting for {what}.")
+        await asyncio.sleep(interval)
+
+
+def run_worker(script: str, *args: str, timeout: float = 120) -> subprocess.Popen[str]:
+    """Start ``tests/workers/<script>`` as a real OS process with this test's settings."""
+    env = dict(os.environ, DJANGO_SETTINGS_MODULE="tests.settings", PYTHONPATH=str(ROOT))
+    return subprocess.Popen(
+        [sys.executable, str(ROOT / "tests" / "workers" / script), *args],
+        env=env,
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+
+
+def cache_options(
+    *, socket_timeout: float | None = None, decode_responses: bool | None = None
+) -> dict[str, object]:
+    """Return OPTIONS for the backend under test (django-redis and Django spell them apart)."""
+    options: dict[str, object] = {}
+    if USING_DJANGO_BACKEND:
+        if socket_timeout is not None:
+            options["socket_timeout"] = socket_timeout
+        if decode_responses is not None:
+            options["decode_responses"] = decode_responses
+        return options
+    if socket_timeout is not None:
+        options["SOCKET_TIMEOUT"] = socket_timeout
+    if decode_responses is not None:
+        options["CONNECTION_POOL_KWARGS"] = {"decode_responses": decode_responses}
+    return options
+
+
+def caches_with(**options: object) -> dict[str, Any]:
+    """Return a copy of settings.CACHES with ``options`` merged into the default MUTEX block."""
+    from django.conf import settings
+
+    caches = copy.deepcopy(settings.CACHES)
+    caches["default"]["MUTEX"] = {**caches["default"].get("MUTEX", {}), **options}
+    return caches
+
+
+def take_and_release(lock: Any) -> None:
+    """Wait for ``lock`` as a queued waiter, then let it go (so no hold outlives the test)."""
+    if lock.acquire():
+        lock.release()
+
+
+@contextmanager
+def dedicated_redis(*extra_args: str) -> Iterator[tuple[Any, Any]]:
+    """Point the default cache at a private redis-server this test may pause or kill.
+
+    Yields the ``RedisServer`` and a plain client on it.
+    """
+    import redis
+    from django.conf import settings
+    from django.test import override_settings
+
+    from django_redis_mutex.testing import RedisServer
+
+    with RedisServer(extra_args=list(extra_args)) as server:
+        entries = copy.deepcopy(settings.CACHES)
+        entries["default"]["LOCATION"] = server.url
+        client = redis.Redis(port=server.port)
+        try:
+            with override_settings(CACHES=entries):
+                yield server, client
+        finally:
+            client.close()
