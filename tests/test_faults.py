@@ -206,7 +206,10 @@ def test_proxy_stall_times_out_a_command_and_resume_serves_a_new_one(proxy: Prox
 
 
 def test_proxy_cut_fails_a_blocked_command_at_once(proxy: Proxy, raw: redis.Redis) -> None:
-    client = redis.Redis.from_url(proxy.url, socket_timeout=5)
+    # Named, so the wait below sees this client's BLPOP and not one another test left
+    # blocked on the shared server (cutting before our BLPOP is sent lets redis-py
+    # reconnect quietly, and the BLPOP would then just time out).
+    client = redis.Redis.from_url(proxy.url, socket_timeout=5, client_name="proxy-cut-blocker")
     failures: list[tuple[BaseException, float]] = []
 
     def block() -> None:
@@ -220,7 +223,9 @@ def test_proxy_cut_fails_a_blocked_command_at_once(proxy: Proxy, raw: redis.Redi
     try:
         blocker.start()
         wait_until(
-            lambda: any(c["cmd"] == "blpop" for c in raw.client_list()),
+            lambda: any(
+                c["cmd"] == "blpop" and c["name"] == "proxy-cut-blocker" for c in raw.client_list()
+            ),
             5,
             "the BLPOP reaching Redis",
         )
