@@ -39,6 +39,10 @@ class Adapter:
         self.name = name
         self.client = plain_client(url)
 
+    @classmethod
+    def prepare(cls, client: redis.Redis, name: str) -> None:
+        """Set up ``name`` once before anyone uses it (most locks need nothing)."""
+
     def acquire(self) -> Any:
         raise NotImplementedError
 
@@ -145,6 +149,56 @@ class PotteryRedlock(Adapter):
         handle.release()
 
 
+def quorum_clients() -> list[redis.Redis]:
+    """Return plain clients on the three quorum masters (the Django aliases q1-q3)."""
+    from django.conf import settings
+
+    return [plain_client(settings.CACHES[f"q{i}"]["LOCATION"]) for i in (1, 2, 3)]
+
+
+class PotteryRedlock3(Adapter):
+    """pottery ``Redlock`` over the same three masters as this app's quorum lock."""
+
+    def __init__(self, url: str, name: str) -> None:
+        super().__init__(url, name)
+        self.masters = set(quorum_clients())
+
+    def acquire(self) -> Any:
+        from pottery import Redlock
+
+        lock = Redlock(key=self.name, masters=self.masters, auto_release_time=LEASE)
+        self._check(lock.acquire(timeout=WAIT))
+        return lock
+
+    def release(self, handle: Any) -> None:
+        handle.release()
+
+
+class BlpopHandoff(Adapter):
+    """The cheapest FIFO hand-off: one token in a list, BLPOP to take it, RPUSH to give it back.
+
+    Redis serves blocked BLPOP clients in the order they blocked, so a release
+    goes to the longest waiter. Not a lock anyone should ship: no lease (a
+    holder that dies keeps the token forever), no owner check, no fencing.
+    It is the floor for contended throughput and hand-off latency.
+    """
+
+    @classmethod
+    def prepare(cls, client: redis.Redis, name: str) -> None:
+        pipe = client.pipeline(transaction=True)
+        pipe.delete(name)
+        pipe.rpush(name, "token")
+        pipe.execute()
+
+    def acquire(self) -> Any:
+        popped = self.client.blpop([self.name], timeout=WAIT)
+        self._check(popped is not None)
+        return popped[1]  # type: ignore[index]
+
+    def release(self, handle: Any) -> None:
+        self.client.rpush(self.name, handle)
+
+
 class DjangoRedisLock(Adapter):
     """django-redis ``cache.lock()``: redis-py's Lock on the cache's client (100 ms polling)."""
 
@@ -204,6 +258,8 @@ CONTENDERS: list[Contender] = [
     Contender("redis-py-1ms", "redis-py Lock (sleep 0.001)", RedisPyLockFastPoll),
     Contender("python-redis-lock", "python-redis-lock", PythonRedisLock),
     Contender("pottery", "pottery Redlock (1 master)", PotteryRedlock),
+    Contender("pottery-quorum", "pottery Redlock (3 masters)", PotteryRedlock3, contended=False),
+    Contender("blpop", "raw BLPOP hand-off (token list)", BlpopHandoff),
     Contender("django-redis", "django-redis cache.lock()", DjangoRedisLock),
 ]
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 import math
 import multiprocessing as mp
 import queue
+import signal
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -39,13 +40,21 @@ class Job:
 
 
 def worker_main(
-    index: int, url: str, key_prefix: str, jobs: Any, results: Any, barrier: Any
+    index: int,
+    url: str,
+    key_prefix: str,
+    quorum_urls: list[str],
+    jobs: Any,
+    results: Any,
+    barrier: Any,
 ) -> None:
     """Run jobs from ``jobs`` until a None arrives; report each run's cycles on ``results``."""
     from adapters import BY_KEY, plain_client
     from django_config import configure_django
 
-    configure_django(url, key_prefix)
+    # Ctrl-C reaches the whole process group: the parent stops the workers itself.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    configure_django(url, key_prefix, quorum_urls=quorum_urls or None)
     client = plain_client(url)
     while (job := jobs.get()) is not None:
         try:
@@ -56,22 +65,33 @@ def worker_main(
             barrier.abort()
             results.put({"worker": index, "error": f"before start: {exc!r}"})
             continue
-        cycles: list[tuple[int, float, float, float]] = []
+        cycles: list[tuple[int, float, float, float, float]] = []
         started = time.time()
         cpu_started = time.process_time()
         end = time.monotonic() + job.duration
-        perf = time.perf_counter
+        perf, thread_cpu = time.perf_counter, time.thread_time
+        # This thread's CPU time in acquire, the critical section and release
+        # (a blocked wait costs none); the rest of the process's CPU is other
+        # threads' (the watchdog's) and the loop's own.
+        cpu_acquire = cpu_hold = cpu_release = 0.0
         try:
             while time.monotonic() < end:
+                c0 = thread_cpu()
                 t0 = perf()
                 handle = adapter.acquire()
                 wait = perf() - t0
+                c1 = thread_cpu()
                 acquired_at = time.time()
                 value = int(client.get(job.counter_key) or 0)
                 client.set(job.counter_key, value + 1)
                 releasing_at = time.time()
+                c2 = thread_cpu()
                 adapter.release(handle)
-                cycles.append((index, wait, acquired_at, releasing_at))
+                c3 = thread_cpu()
+                cycles.append((index, wait, acquired_at, releasing_at, time.time()))
+                cpu_acquire += c1 - c0
+                cpu_hold += c2 - c1
+                cpu_release += c3 - c2
         except Exception as exc:
             results.put({"worker": index, "error": repr(exc), "cycles": cycles})
             continue
@@ -82,6 +102,11 @@ def worker_main(
                 "started": started,
                 "finished": time.time(),
                 "cpu_s": time.process_time() - cpu_started,
+                "cpu_parts_s": {
+                    "acquire": cpu_acquire,
+                    "critical section": cpu_hold,
+                    "release": cpu_release,
+                },
             }
         )
 
@@ -89,10 +114,19 @@ def worker_main(
 class WorkerPool:
     """N spawned worker processes sharing one job queue, one result queue and one barrier."""
 
-    def __init__(self, size: int, url: str, key_prefix: str) -> None:
+    def __init__(
+        self,
+        size: int,
+        url: str,
+        key_prefix: str,
+        quorum_urls: list[str] | None = None,
+        target: Callable[..., None] | None = None,
+    ) -> None:
+        self.target = target or worker_main
         self.size = size
         self.url = url
         self.key_prefix = key_prefix
+        self.quorum_urls = list(quorum_urls or [])
         self.processes: list[Any] = []
 
     def start(self) -> WorkerPool:
@@ -101,8 +135,16 @@ class WorkerPool:
         self.barrier = _SPAWN.Barrier(self.size)
         self.processes = [
             _SPAWN.Process(
-                target=worker_main,
-                args=(i, self.url, self.key_prefix, self.jobs, self.results, self.barrier),
+                target=self.target,
+                args=(
+                    i,
+                    self.url,
+                    self.key_prefix,
+                    self.quorum_urls,
+                    self.jobs,
+                    self.results,
+                    self.barrier,
+                ),
                 name=f"bench-worker-{i}",
                 daemon=True,
             )
@@ -131,14 +173,19 @@ class WorkerPool:
         return reports
 
     def stop(self) -> None:
-        """Ask workers to exit; terminate (by process handle) those that do not."""
+        """Ask workers to exit; terminate (by process handle) those that do not within 10 s."""
         for process in self.processes:
             if process.is_alive():
                 self.jobs.put(None)
+        deadline = time.monotonic() + 10
         for process in self.processes:
-            process.join(10)
+            process.join(max(0.1, deadline - time.monotonic()))
+        for process in self.processes:
             if process.is_alive():
                 process.terminate()
+                process.join(5)
+            if process.is_alive():
+                process.kill()
                 process.join(5)
         self.processes = []
 
@@ -155,12 +202,36 @@ def redis_cpu_seconds(client: Any) -> float:
     return float(info["used_cpu_user"]) + float(info["used_cpu_sys"])
 
 
+class ServerMeter:
+    """Redis CPU time and commandstats of one or more servers, read before and after a run."""
+
+    def __init__(self, clients: list[Any]) -> None:
+        self.clients = clients
+
+    def read(self) -> tuple[float, int, int]:
+        """Return (CPU seconds, commands executed, µs executing them) summed over the servers."""
+        cpu, calls, usec = 0.0, 0, 0
+        for client in self.clients:
+            cpu += redis_cpu_seconds(client)
+            for name, value in client.info("commandstats").items():
+                if name.removeprefix("cmdstat_").lower() not in ("info", "echo"):
+                    calls += int(value["calls"])
+                    usec += int(value["usec"])
+        return cpu, calls, usec
+
+    @staticmethod
+    def delta(before: tuple[float, int, int], after: tuple[float, int, int]) -> Any:
+        return tuple(b - a for a, b in zip(before, after, strict=True))
+
+
 @dataclass
 class Slice:
-    """One library's run in one round: what every worker reported, and Redis's CPU time."""
+    """One library's run in one round: what every worker reported, and the servers' costs."""
 
     reports: list[dict[str, Any]]
     redis_cpu_s: float
+    redis_calls: int = 0
+    redis_usec: int = 0
 
     def cycles(self) -> list[Cycle]:
         return [Cycle(*c) for r in self.reports for c in r.get("cycles", [])]
@@ -170,6 +241,18 @@ class Slice:
         started = [r["started"] for r in self.reports if "started" in r]
         finished = [r["finished"] for r in self.reports if "finished" in r]
         return max(finished) - min(started) if started and finished else 0.0
+
+
+def _cpu_parts(reports: list[dict[str, Any]], count: int) -> dict[str, float]:
+    if not count:
+        return {}
+    parts: dict[str, float] = {}
+    for report in reports:
+        for name, seconds in report.get("cpu_parts_s", {}).items():
+            parts[name] = parts.get(name, 0.0) + seconds
+    total = sum(r.get("cpu_s", 0.0) for r in reports)
+    parts["other"] = max(0.0, total - sum(parts.values()))
+    return {name: seconds / count * 1e6 for name, seconds in parts.items()}
 
 
 def summarise(slices: list[Slice], workers: int, final_counter: int) -> dict[str, Any]:
@@ -194,13 +277,25 @@ def summarise(slices: list[Slice], workers: int, final_counter: int) -> dict[str
         "client_cpu_us_per_cycle": (
             sum(r.get("cpu_s", 0.0) for r in reports) / count * 1e6 if count else math.nan
         ),
+        # The same split by where the looping thread spent it; "other" is the rest of
+        # the processes' CPU (other threads, such as a watchdog, and the loop itself).
+        "client_cpu_parts_us_per_cycle": _cpu_parts(reports, count),
         "redis_cpu_us_per_cycle": (
             sum(piece.redis_cpu_s for piece in slices) / count * 1e6 if count else math.nan
+        ),
+        # What Redis spent executing commands (commandstats), and how many, per cycle.
+        "redis_commands_per_cycle": (
+            sum(piece.redis_calls for piece in slices) / count if count else math.nan
+        ),
+        "redis_command_us_per_cycle": (
+            sum(piece.redis_usec for piece in slices) / count if count else math.nan
         ),
     }
     if cycles:
         result.update(handoffs(runs))
         result.update(fairness(cycles, workers))
+        # At saturation one cycle of the lock is a hold plus a hand-off to the next holder.
+        result["period_us"] = 1e6 / result["throughput"] if result["throughput"] else math.nan
     return result
 
 
@@ -214,6 +309,8 @@ def run_contended(
     seconds: float,
     rounds: int,
     log: Callable[[str], None],
+    quorum_urls: list[str] | None = None,
+    tag: str = "contended",
 ) -> dict[str, Any]:
     """Run every library at every N; return summaries by N and library key.
 
@@ -222,28 +319,31 @@ def run_contended(
     instead of landing on one library. One worker pool serves each N.
     """
     client = redis.Redis.from_url(url)
+    servers = [client] + [redis.Redis.from_url(u) for u in quorum_urls or []]
+    meter = ServerMeter(servers)
     results: dict[str, Any] = {}
     for size in sizes:
         slices: dict[str, list[Slice]] = {c.key: [] for c in contenders}
-        counters = {c.key: f"bench-{run_id}:counter:{c.key}:{size}" for c in contenders}
+        counters = {c.key: f"bench-{run_id}:{tag}:counter:{c.key}:{size}" for c in contenders}
         for counter in counters.values():
             client.set(counter, 0)
-        pool = WorkerPool(size, url, key_prefix).start()
+        pool = WorkerPool(size, url, key_prefix, quorum_urls).start()
         try:
             for _ in range(rounds):
                 for contender in contenders:
-                    name = f"bench-{run_id}:contended:{contender.key}:{size}"
+                    name = f"bench-{run_id}:{tag}:{contender.key}:{size}"
+                    contender.factory.prepare(client, name)
                     job = Job(contender.key, name, counters[contender.key], seconds / rounds)
-                    redis_cpu = redis_cpu_seconds(client)
+                    before = meter.read()
                     try:
                         reports = pool.run(job, timeout=job.duration + WAIT + 60)
                     except TimeoutError as exc:
                         log(f"  {contender.key} N={size}: {exc}; restarting the pool")
                         pool.stop()
-                        pool = WorkerPool(size, url, key_prefix).start()
+                        pool = WorkerPool(size, url, key_prefix, quorum_urls).start()
                         reports = [{"worker": -1, "error": str(exc)}]
-                    redis_cpu = redis_cpu_seconds(client) - redis_cpu
-                    slices[contender.key].append(Slice(reports, redis_cpu))
+                    cpu, calls, usec = meter.delta(before, meter.read())
+                    slices[contender.key].append(Slice(reports, cpu, calls, usec))
         finally:
             pool.stop()
         results[str(size)] = by_lib = {}
@@ -258,5 +358,6 @@ def run_contended(
                 f"  lost {entry['lost_updates']}"
                 + (f"  errors {entry['errors'][:1]}" if entry["errors"] else "")
             )
-    client.close()
+    for server in servers:
+        server.close()
     return results

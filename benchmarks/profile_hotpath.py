@@ -1,30 +1,42 @@
 """Where an uncontended Mutex cycle spends its time, against the raw SET NX PX baseline.
 
-Run from the repository root (about 30 s):
+Part of the benchmark (scenario ``profile``, folded into results/latest.json);
+also runs alone, printing what it finds (about 20 s), from the repository root:
 
     UV_PYTHON_DOWNLOADS=never uv run --group bench python benchmarks/profile_hotpath.py
 
-Three views, all on a private redis-server:
+Three views, all on one Redis:
 
-1. Client cost, by layers: raw SET NX PX + compare-and-delete on a plain
-   redis-py client and on django-redis's client; the engine's ACQUIRE and
-   RELEASE scripts called bare; the full ``Mutex`` cycle with and without the
-   watchdog. Slices of 200 cycles alternate between the layers; medians of
-   CPU (process time) and wall time per cycle are printed.
-2. Server cost of the ACQUIRE fast path, built up one command at a time
-   (``INFO commandstats`` microseconds per EVALSHA, best of 5 x 2000 calls).
-3. cProfile (CPU clock) of the full cycle: the engine functions' own time.
+1. Layers: the same work with one layer more each time, in alternating slices
+   of cycles (medians of wall and CPU time per cycle): a bare PING on a raw
+   socket (kernel, loopback and Redis's event loop: one round trip), a PING
+   through redis-py, the raw pair (SET NX PX + compare-and-delete), the
+   engine's ACQUIRE and RELEASE scripts called bare through a plain redis-py
+   client and through the client django-redis built, the full ``Mutex`` cycle
+   without and with the watchdog. Redis's own execution time per cycle comes
+   from ``INFO commandstats``. Subtracting neighbours gives the *breakdown*:
+   network round trips, Redis script time, redis-py (packing, parsing, the
+   connection pool, for the scripts sent bare), django-redis's client, the
+   engine above that (its Python, less any redis-py work it does itself more
+   cheaply), the watchdog's bookkeeping; the parts add up to the full cycle.
+2. Server time of the ACQUIRE fast path built up one command at a time
+   (commandstats µs per EVALSHA, best of a few batches).
+3. cProfile (CPU clock) of the full cycle: the engine functions' own time and
+   the share of redis-py, Django and the rest.
 """
 
 from __future__ import annotations
 
 import cProfile
+import os
 import pstats
 import secrets
+import socket
 import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import redis
 
@@ -33,12 +45,52 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from django_config import configure_django
 from stats import percentile
 
+NETWORK = "network and Redis event loop (2 round trips of a raw-socket PING)"
+REDIS = "Redis executing the scripts (commandstats)"
+REDIS_PY = "redis-py: packing, parsing, connection pool (bare scripts)"
+DJANGO_REDIS = "django-redis's client instead of a plain one"
+# Measured as the Mutex cycle less the same scripts sent bare through redis-py:
+# the engine's own Python, less whatever redis-py work it does itself more cheaply.
+ENGINE = "the engine above the bare scripts (Mutex without watchdog, less them)"
+WATCHDOG = "watchdog bookkeeping (register and unregister the hold)"
+
 _COMPARE_AND_DELETE = (
     "if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) end return 0"
 )
 
 
-def layers(url: str) -> None:
+def _socket_ping(url: str) -> tuple[Callable[[], None], Callable[[], None]]:
+    client = redis.Redis.from_url(url)
+    kwargs = client.connection_pool.connection_kwargs
+    client.close()
+    sock = socket.create_connection((kwargs.get("host", "127.0.0.1"), kwargs.get("port", 6379)))
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+
+    def ping() -> None:
+        sock.sendall(b"*1\r\n$4\r\nPING\r\n")
+        sock.recv(64)
+
+    return ping, sock.close
+
+
+def _server_us(client: redis.Redis, cycle: Callable[[], None], cycles: int) -> float:
+    """Return the µs Redis spent executing one cycle's commands (commandstats)."""
+
+    def usec() -> int:
+        return sum(
+            int(v["usec"])
+            for k, v in client.info("commandstats").items()
+            if k not in ("cmdstat_info", "cmdstat_echo")
+        )
+
+    before = usec()
+    for _ in range(cycles):
+        cycle()
+    return (usec() - before) / cycles
+
+
+def layers(url: str, slices: int = 25, per_slice: int = 200) -> dict[str, Any]:
+    """Time each layer in alternating slices; return medians and the breakdown."""
     from django_redis_mutex import Mutex, scripts
     from django_redis_mutex.client import get_client
 
@@ -48,7 +100,8 @@ def layers(url: str) -> None:
     handle = Mutex("profile", timeout=30)
     keys = handle.keys.script_keys
     for script in (scripts.ACQUIRE, scripts.RELEASE):
-        django_client.script_load(script.source)
+        plain.script_load(script.source)
+    socket_ping, close_socket = _socket_ping(url)
 
     def raw(client: redis.Redis) -> Callable[[], None]:
         def cycle() -> None:
@@ -58,10 +111,21 @@ def layers(url: str) -> None:
 
         return cycle
 
-    def bare_scripts() -> None:
-        token = secrets.token_hex(16)
-        django_client.evalsha(scripts.ACQUIRE.sha, 5, *keys, *handle._acquire_args(token, True))
-        django_client.evalsha(scripts.RELEASE.sha, 5, *keys, *handle._release_args(token))
+    def bare_scripts(client: redis.Redis) -> Callable[[], None]:
+        def cycle() -> None:
+            token = secrets.token_hex(16)
+            client.evalsha(
+                scripts.ACQUIRE.sha, len(keys), *keys, *handle._acquire_args(token, True)
+            )
+            client.evalsha(scripts.RELEASE.sha, len(keys), *keys, token)
+
+        return cycle
+
+    from django_redis_mutex import mutex
+
+    @mutex("profile:{pk}", timeout=30)
+    def decorated(pk: int) -> None:
+        return None
 
     def full(watchdog: bool) -> Callable[[], None]:
         def cycle() -> None:
@@ -71,79 +135,146 @@ def layers(url: str) -> None:
 
         return cycle
 
-    cycles = {
-        "raw, plain redis-py client": raw(plain),
-        "raw, django-redis client": raw(django_client),
-        "engine scripts called bare": bare_scripts,
+    cycles: dict[str, Callable[[], None]] = {
+        "PING, raw socket": socket_ping,
+        "PING, redis-py": plain.ping,
+        "raw pair, plain redis-py client": raw(plain),
+        "raw pair, django-redis client": raw(django_client),
+        "engine scripts, plain redis-py client": bare_scripts(plain),
+        "engine scripts, django-redis client": bare_scripts(django_client),
         "Mutex, watchdog=False": full(False),
         "Mutex (defaults)": full(True),
+        "@mutex('profile:{pk}') function": lambda: decorated(pk=1),
     }
-    for cycle in cycles.values():
-        for _ in range(300):
-            cycle()
-    cpu: dict[str, list[float]] = {name: [] for name in cycles}
-    wall: dict[str, list[float]] = {name: [] for name in cycles}
-    for _ in range(25):
-        for name, cycle in cycles.items():
-            cpu_start, wall_start = time.process_time(), time.perf_counter()
-            for _ in range(200):
+    try:
+        for cycle in cycles.values():
+            for _ in range(per_slice):
                 cycle()
-            cpu[name].append((time.process_time() - cpu_start) / 200 * 1e6)
-            wall[name].append((time.perf_counter() - wall_start) / 200 * 1e6)
-    print("1. Client cost per cycle (median of 25 alternating slices of 200 cycles)")
-    for name in cycles:
-        print(
-            f"   {name:28} CPU {percentile(cpu[name], 50):6.1f} µs"
-            f"   wall {percentile(wall[name], 50):6.1f} µs"
-        )
-    plain.close()
+        cpu: dict[str, list[float]] = {name: [] for name in cycles}
+        wall: dict[str, list[float]] = {name: [] for name in cycles}
+        for _ in range(slices):
+            for name, cycle in cycles.items():
+                cpu_start, wall_start = time.process_time(), time.perf_counter()
+                for _ in range(per_slice):
+                    cycle()
+                cpu[name].append((time.process_time() - cpu_start) / per_slice * 1e6)
+                wall[name].append((time.perf_counter() - wall_start) / per_slice * 1e6)
+        server = {
+            "raw pair": _server_us(plain, raw(plain), 500),
+            "engine scripts": _server_us(plain, bare_scripts(plain), 500),
+        }
+    finally:
+        close_socket()
+        plain.close()
+    medians = {
+        name: {"wall_us": percentile(wall[name], 50), "cpu_us": percentile(cpu[name], 50)}
+        for name in cycles
+    }
+    w = {name: m["wall_us"] for name, m in medians.items()}
+    c = {name: m["cpu_us"] for name, m in medians.items()}
+    server_time = {"engine scripts": server["engine scripts"], "raw pair": server["raw pair"]}
+
+    def split(t: dict[str, float], redis_us: dict[str, float]) -> tuple[Any, Any]:
+        """Return the Mutex cycle's and the raw pair's parts in ``t`` (wall or CPU) units."""
+        trip = t["PING, raw socket"]
+        ours = {
+            NETWORK: 2 * trip,
+            REDIS: redis_us.get("engine scripts", 0.0),
+            REDIS_PY: t["engine scripts, plain redis-py client"]
+            - 2 * trip
+            - redis_us.get("engine scripts", 0.0),
+            DJANGO_REDIS: t["engine scripts, django-redis client"]
+            - t["engine scripts, plain redis-py client"],
+            ENGINE: t["Mutex, watchdog=False"] - t["engine scripts, django-redis client"],
+            WATCHDOG: t["Mutex (defaults)"] - t["Mutex, watchdog=False"],
+        }
+        raw = {
+            NETWORK: 2 * trip,
+            REDIS: redis_us.get("raw pair", 0.0),
+            REDIS_PY: t["raw pair, plain redis-py client"]
+            - 2 * trip
+            - redis_us.get("raw pair", 0.0),
+        }
+        return ours, raw
+
+    breakdown, raw_breakdown = split(w, server_time)
+    # Client CPU: Redis's own time is not the client's, so it is left out.
+    breakdown_cpu, raw_breakdown_cpu = split(c, {})
+    return {
+        "slices": slices,
+        "per_slice": per_slice,
+        "layers": medians,
+        "server_us": server,
+        "breakdown_us": breakdown,
+        "breakdown_total_us": w["Mutex (defaults)"],
+        "raw_breakdown_us": raw_breakdown,
+        "raw_total_us": w["raw pair, plain redis-py client"],
+        "breakdown_cpu_us": breakdown_cpu,
+        "breakdown_total_cpu_us": c["Mutex (defaults)"],
+        "raw_breakdown_cpu_us": raw_breakdown_cpu,
+        "raw_total_cpu_us": c["raw pair, plain redis-py client"],
+        # What @mutex("...{pk}") on a function adds to the Mutex cycle: the name
+        # filled from the call's arguments, and the with block.
+        "decorator_us": w["@mutex('profile:{pk}') function"] - w["Mutex (defaults)"],
+        "decorator_cpu_us": c["@mutex('profile:{pk}') function"] - c["Mutex (defaults)"],
+    }
 
 
-def lua_steps(url: str) -> None:
+def lua_steps(url: str, calls: int = 1000, batches: int = 3) -> dict[str, float]:
+    """Return the server µs per EVALSHA of the ACQUIRE fast path, built up step by step."""
     from django_redis_mutex import Mutex, scripts
 
     client = redis.Redis.from_url(url)
-    common, _ = scripts.ACQUIRE.source.split("local token, ttl, owner, name", 1)
-    head = "local token, ttl, owner, name = ARGV[1], tonumber(ARGV[2]), ARGV[3], ARGV[4]\n"
+    # The helpers every script of the engine starts with (their common prefix),
+    # then the commands of an uncontended grant, written here so the steps do
+    # not depend on the engine's local names; the last row is the real script.
+    shared = os.path.commonprefix([scripts.ACQUIRE.source, scripts.RELEASE.source])  # noqa: RUF071
+    shared = shared[: shared.rfind("\n") + 1]
     steps = [
-        ("+ TIME", "local now = now_us()"),
-        ("+ HGET token", "local holder = redis.call('HGET', KEYS[1], 'token')"),
-        ("+ EXISTS queue", "local waiting = redis.call('EXISTS', KEYS[3])"),
-        ("+ fence SET ... PX GET", "local fence = next_fence(now)"),
+        ("+ TIME", "local t = redis.call('TIME')"),
+        ("+ EXISTS lock and queue", "redis.call('EXISTS', KEYS[1], KEYS[1] .. ':queue')"),
+        (
+            "+ fence SET ... PX GET",
+            "redis.call('SET', KEYS[1] .. ':fence', t[1] .. t[2], 'PX', 86400000, 'GET')",
+        ),
         (
             "+ HSET 5 fields",
-            "redis.call('HSET', KEYS[1], 'token', token, 'fence', fence, 'owner', owner, "
-            "'acquired', string.format('%.0f', math.floor(now / 1000)), 'name', name)",
+            "redis.call('HSET', KEYS[1], 'token', ARGV[1], 'fence', t[1] .. t[2], "
+            "'owner', ARGV[3], 'acquired', t[1], 'name', ARGV[4])",
         ),
-        ("+ PEXPIRE", "redis.call('PEXPIRE', KEYS[1], ttl)"),
+        ("+ PEXPIRE", "redis.call('PEXPIRE', KEYS[1], ARGV[2])"),
     ]
     bodies = [
-        ("EVALSHA, 5 keys, 5 args", "return 1"),
-        ("+ shared function definitions", common + "return 1"),
+        ("EVALSHA, 1 key, 5 args, return 1", "return 1"),
+        ("+ the engine's shared helpers", shared + "return 1"),
     ]
-    built = common + head
+    built = shared
     for label, line in steps:
         built += line + "\n"
         bodies.append((label, built + "return 1"))
     bodies.append(("the real ACQUIRE", scripts.ACQUIRE.source))
-    calls = 2000
-    print("2. Server time of the ACQUIRE fast path (µs per EVALSHA, best of 5)")
-    for label, body in bodies:
-        sha = client.script_load(body)
-        best = float("inf")
-        for attempt in range(5):
-            locks = [Mutex(f"profile-lua-{label}-{attempt}-{i}") for i in range(calls)]
-            before = client.info("commandstats").get("cmdstat_evalsha", {"usec": 0})["usec"]
-            for lock in locks:
-                token = secrets.token_hex(16)
-                client.evalsha(sha, 5, *lock.keys.script_keys, *lock._acquire_args(token, True))
-            after = client.info("commandstats")["cmdstat_evalsha"]["usec"]
-            best = min(best, (after - before) / calls)
-        print(f"   {label:32} {best:6.2f}")
-    client.close()
+    out: dict[str, float] = {}
+    try:
+        for label, body in bodies:
+            sha = client.script_load(body)
+            best = float("inf")
+            for attempt in range(batches):
+                locks = [Mutex(f"profile-lua-{label}-{attempt}-{i}") for i in range(calls)]
+                before = client.info("commandstats").get("cmdstat_evalsha", {"usec": 0})["usec"]
+                for lock in locks:
+                    token = secrets.token_hex(16)
+                    keys = lock.keys.script_keys
+                    client.evalsha(sha, len(keys), *keys, *lock._acquire_args(token, True))
+                after = client.info("commandstats")["cmdstat_evalsha"]["usec"]
+                best = min(best, (after - before) / calls)
+            out[label] = best
+    finally:
+        client.close()
+    return out
 
 
-def engine_profile() -> None:
+def engine_profile(cycles: int = 2000) -> dict[str, Any]:
+    """cProfile the full cycle; return the engine functions' own time and module shares."""
     from django_redis_mutex import Mutex
 
     def cycle() -> None:
@@ -155,7 +286,7 @@ def engine_profile() -> None:
         cycle()
     profiler = cProfile.Profile(time.process_time)
     profiler.enable()
-    for _ in range(3000):
+    for _ in range(cycles):
         cycle()
     profiler.disable()
     stats = pstats.Stats(profiler).stats  # type: ignore[attr-defined]
@@ -165,13 +296,68 @@ def engine_profile() -> None:
         for (fn, line, name), entry in stats.items()
         if "django_redis_mutex" in fn
     ]
-    engine = sum(t for t, _ in own)
-    print(f"3. cProfile: engine functions' own time is {engine / total:.0%} of the cycle's CPU")
-    for spent, where in sorted(own, reverse=True)[:12]:
-        print(f"   {spent / total:6.1%}  {where}")
-    for module in ("contextlib", "threading", "redis/connection.py"):
-        share = sum(entry[2] for key, entry in stats.items() if module in key[0]) / total
-        print(f"   {share:6.1%}  everything in {module}")
+    groups = {
+        "django_redis_mutex": lambda fn: "django_redis_mutex" in fn,
+        "redis-py": lambda fn: "/redis/" in fn,
+        "django and django-redis": lambda fn: "/django/" in fn or "/django_redis/" in fn,
+        "standard library and builtins": lambda fn: True,
+    }
+    shares: dict[str, float] = dict.fromkeys(groups, 0.0)
+    for (fn, _line, _name), entry in stats.items():
+        for group, matches in groups.items():
+            if matches(fn):
+                shares[group] += entry[2] / total
+                break
+    return {
+        "cycles": cycles,
+        "cpu_us_per_cycle": total / cycles * 1e6,
+        "own_time_share": shares,
+        "top_engine_functions": [
+            {"function": where, "share": spent / total, "us_per_cycle": spent / cycles * 1e6}
+            for spent, where in sorted(own, reverse=True)[:10]
+        ],
+    }
+
+
+def profile(url: str, *, quick: bool = False) -> dict[str, Any]:
+    """Run all three views on ``url`` (Django already configured); return what they found."""
+    return {
+        "layers": layers(url, slices=8 if quick else 20, per_slice=100 if quick else 200),
+        "lua_steps_us": lua_steps(url, calls=300 if quick else 1000, batches=3),
+        "cprofile": engine_profile(cycles=500 if quick else 2000),
+    }
+
+
+def print_profile(found: dict[str, Any]) -> None:
+    layer = found["layers"]
+    print("1. Layers (median of alternating slices), µs per cycle")
+    for name, m in layer["layers"].items():
+        print(f"   {name:40} wall {m['wall_us']:7.1f}   CPU {m['cpu_us']:7.1f}")
+    print(
+        f"   Breakdown of the Mutex cycle ({layer['breakdown_total_us']:.0f} µs wall,"
+        f" {layer['breakdown_total_cpu_us']:.0f} µs client CPU):"
+    )
+    for part, us in layer["breakdown_us"].items():
+        print(f"     {us:7.1f}  {layer['breakdown_cpu_us'][part]:7.1f}  {part}")
+    print(
+        f"   Breakdown of the raw pair ({layer['raw_total_us']:.0f} µs wall,"
+        f" {layer['raw_total_cpu_us']:.0f} µs client CPU):"
+    )
+    for part, us in layer["raw_breakdown_us"].items():
+        print(f"     {us:7.1f}  {layer['raw_breakdown_cpu_us'][part]:7.1f}  {part}")
+    print(
+        f"   @mutex decorator on top: {layer['decorator_us']:.1f} µs wall,"
+        f" {layer['decorator_cpu_us']:.1f} µs CPU"
+    )
+    print("2. Server time of the ACQUIRE fast path (µs per EVALSHA, best batch)")
+    for label, us in found["lua_steps_us"].items():
+        print(f"   {label:34} {us:6.2f}")
+    prof = found["cprofile"]
+    print(f"3. cProfile: {prof['cpu_us_per_cycle']:.0f} µs CPU per cycle under the profiler")
+    for group, share in prof["own_time_share"].items():
+        print(f"   {share:6.1%}  {group}")
+    for entry in prof["top_engine_functions"]:
+        print(f"   {entry['share']:6.1%}  {entry['function']}")
 
 
 def main() -> int:
@@ -179,9 +365,7 @@ def main() -> int:
 
     with RedisServer() as server:
         configure_django(server.url, "profile")
-        layers(server.url)
-        lua_steps(server.url)
-        engine_profile()
+        print_profile(profile(server.url))
     return 0
 
 

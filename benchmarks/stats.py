@@ -21,6 +21,7 @@ class Cycle(NamedTuple):
     wait: float  # seconds spent in acquire() (perf_counter)
     acquired_at: float  # time.time() right after acquire() returned
     releasing_at: float  # time.time() right before release() was called
+    released_at: float  # time.time() right after release() returned
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -53,8 +54,15 @@ def handoffs(runs: list[list[Cycle]]) -> dict[str, Any]:
     same worker holds twice in a row it *re-acquired* (it barged back in, or
     nobody else was waiting). An *overlap* is a hold that began before the
     previous one's release started: mutual exclusion was broken.
+
+    The handoff splits in two: the releaser's own release call (start to
+    reply), and the *wake-up*, from the releaser getting its reply to the next
+    holder returning from acquire (negative when the woken waiter returned
+    first: the server answers both at once).
     """
     gaps: list[float] = []
+    wakeups: list[float] = []
+    release_calls: list[float] = []
     same = overlaps = pairs = 0
     for cycles in runs:
         ordered = sorted(cycles, key=lambda c: c.acquired_at)
@@ -66,9 +74,13 @@ def handoffs(runs: list[list[Cycle]]) -> dict[str, Any]:
                 same += 1
             else:
                 gaps.append(current.acquired_at - previous.releasing_at)
+                wakeups.append(current.acquired_at - previous.released_at)
+        release_calls += [c.released_at - c.releasing_at for c in cycles]
     return {
         "handoffs": len(gaps),
         "handoff_us": summary_us(gaps),
+        "wakeup_us": summary_us(wakeups),
+        "release_call_us": summary_us(release_calls),
         "reacquire_rate": same / pairs if pairs else math.nan,
         "overlaps": overlaps,
     }

@@ -15,13 +15,16 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+import redis
 from adapters import Contender
 from commandstats import count_commands
+from contended import redis_cpu_seconds
 from stats import percentile
 
 
 def _cycle_of(contender: Contender, url: str, name: str) -> Callable[[], None]:
     adapter = contender.factory(url, name)
+    adapter.prepare(adapter.client, name)
 
     def cycle() -> None:
         adapter.release(adapter.acquire())
@@ -47,17 +50,21 @@ def run_uncontended(
     timings: dict[str, list[float]] = {key: [] for key in cycle_of}
     round_medians: dict[str, list[float]] = {key: [] for key in cycle_of}
     cpu_seconds = dict.fromkeys(cycle_of, 0.0)
+    server_cpu_seconds = dict.fromkeys(cycle_of, 0.0)
+    server = redis.Redis.from_url(url)
     clock = time.perf_counter_ns
     per_round = max(1, cycles // rounds)
     for _ in range(rounds):
         for key, cycle in cycle_of.items():
             samples: list[float] = []
+            server_start = redis_cpu_seconds(server)
             cpu_start = time.process_time()
             for _ in range(per_round):
                 start = clock()
                 cycle()
                 samples.append((clock() - start) / 1000)
             cpu_seconds[key] += time.process_time() - cpu_start
+            server_cpu_seconds[key] += redis_cpu_seconds(server) - server_start
             timings[key] += samples
             round_medians[key].append(percentile(samples, 50))
     results: dict[str, Any] = {}
@@ -75,6 +82,10 @@ def run_uncontended(
             "round_p50_us": round_medians[contender.key],
             # This process's CPU per cycle (user + system): less sensitive to a busy machine.
             "client_cpu_us": cpu_seconds[contender.key] / len(samples) * 1e6,
+            # The Redis server's CPU per cycle (INFO cpu, user + system), network
+            # I/O included: what a cycle costs the shared server.
+            "redis_cpu_us": server_cpu_seconds[contender.key] / len(samples) * 1e6,
             "commands": count_commands(url, cycle_of[contender.key], counted),
         }
+    server.close()
     return results
