@@ -1,0 +1,717 @@
+"""Counting semaphores: at most ``limit`` holders, FIFO waiters, a lease per permit.
+
+Contention runs in real OS processes (``tests/workers/semaphore_*.py``) against
+the session's real redis-server; the permits themselves are read back from
+Redis (the ``holders`` sorted set, scored by the server-clock ms each lease ends).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import threading
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import pytest
+import redis
+from redis.crc import key_slot
+
+from django_redis_mutex import (
+    LockContended,
+    LockLost,
+    LockNotOwned,
+    Semaphore,
+    held_semaphores,
+    reset_semaphore,
+    semaphore,
+)
+from django_redis_mutex.keys import escape_name
+from django_redis_mutex.scripts import HANDOFF_LEASE, WAIT_LEASE
+from django_redis_mutex.semaphore import MAX_LIMIT, SemaphoreKeys
+from django_redis_mutex.semaphore import SCRIPTS as SEMAPHORE_SCRIPTS
+from django_redis_mutex.testing import RedisClusterServers, RedisServer
+
+from .helpers import wait_until
+from .test_cluster import HOSTILE_NAMES
+from .test_declared_keys import (  # the MONITOR-based check of the lock scripts
+    KeysOf,
+    Monitor,
+    monitored,  # noqa: F401  (a fixture)
+    script_runs,
+    undeclared,
+)
+from .topologies import cluster_entry, extra_caches
+from .worker import Worker
+
+# Generous bounds: these tests run on a busy 2-core machine.
+START_TIMEOUT = 30.0
+# Lease scores seen per token, for counting renewals.
+_scores: dict[str, set[float]] = {}
+
+
+@pytest.fixture
+def data_key(raw: redis.Redis, mutex_prefix: str) -> Iterator[Callable[[str], str]]:
+    """Return a function naming a workload key of this test (outside the lock namespace)."""
+    made: list[str] = []
+
+    def key(purpose: str) -> str:
+        made.append(f"semaphores:{mutex_prefix}:{purpose}")
+        return made[-1]
+
+    yield key
+    if made:
+        raw.delete(*made)
+
+
+def holder_tokens(raw: redis.Redis, name: str, limit: int = 1) -> list[str]:
+    """Return the tokens holding a permit of ``name`` per Redis (leases not yet pruned included)."""
+    return [t.decode() for t in raw.zrange(Semaphore(name, limit).keys.holders, 0, -1)]
+
+
+def queued(raw: redis.Redis, name: str) -> int:
+    return int(raw.zcard(Semaphore(name, 1).keys.queue))
+
+
+def max_overlap(sections: list[list[float]]) -> int:
+    """Return the largest number of [enter, exit] intervals open at one instant."""
+    edges = sorted([(s[0], 1) for s in sections] + [(s[1], -1) for s in sections])
+    # At equal times an exit sorts before an enter (-1 < 1): touching is not overlapping.
+    open_now = peak = 0
+    for _, step in edges:
+        open_now += step
+        peak = max(peak, open_now)
+    return peak
+
+
+# -- safety under contention --------------------------------------------------------------------
+
+
+def test_processes_contending_never_exceed_the_limit_and_all_get_their_turns(
+    spawn: Callable[..., Worker], raw: redis.Redis, data_key: Callable[[str], str]
+) -> None:
+    inside, barrier = data_key("inside"), data_key("barrier")
+    workers = [spawn("semaphore_sections.py", "pool", 3, inside, barrier, 40) for _ in range(6)]
+    for worker in workers:
+        worker.expect("ready", timeout=START_TIMEOUT)
+    raw.rpush(barrier, *["go"] * len(workers))
+
+    sections: list[list[float]] = []
+    for worker in workers:
+        sections += worker.expect("done", timeout=120)["sections"]
+        assert worker.finish() == 0
+
+    assert len(sections) == 6 * 40
+    # Counted in Redis by the sections themselves, and from their time stamps.
+    assert max(s[2] for s in sections) <= 3
+    assert max_overlap(sections) <= 3
+    # The limit was used, not just respected: more than one section ran at once.
+    assert max(s[2] for s in sections) >= 2
+
+
+def test_waiters_get_permits_in_the_order_they_arrived(
+    spawn: Callable[..., Worker], raw: redis.Redis, data_key: Callable[[str], str]
+) -> None:
+    first, second = Semaphore("fifo", 2, ttl=30), Semaphore("fifo", 2, ttl=30)
+    assert first.acquire(blocking=False) and second.acquire(blocking=False)
+    go = [data_key(f"go{i}") for i in range(3)]
+    waiters = []
+    for i in range(3):
+        waiters.append(spawn("semaphore_hold.py", "fifo", 2, 30, go[i]))
+        wait_until(lambda n=i + 1: queued(raw, "fifo") == n, START_TIMEOUT, f"waiter {i} in line")
+
+    first.release()
+    token0 = waiters[0].expect("acquired")["token"]
+    assert token0 in holder_tokens(raw, "fifo")
+    assert queued(raw, "fifo") == 2
+
+    second.release()
+    token1 = waiters[1].expect("acquired")["token"]
+    assert set(holder_tokens(raw, "fifo")) == {token0, token1}
+    assert queued(raw, "fifo") == 1
+
+    # A newcomer does not pass the waiter left in line.
+    assert not Semaphore("fifo", 2).acquire(blocking=False)
+    raw.rpush(go[0], "go")
+    assert waiters[0].expect("released")
+    token2 = waiters[2].expect("acquired")["token"]
+    assert set(holder_tokens(raw, "fifo")) == {token1, token2}
+    for i in (1, 2):
+        raw.rpush(go[i], "go")
+        waiters[i].expect("released")
+        assert waiters[i].finish() == 0
+    assert holder_tokens(raw, "fifo") == []
+
+
+# -- leases ---------------------------------------------------------------------------------------
+
+
+def test_a_killed_holders_permit_comes_back_when_its_lease_ends_and_not_before(
+    spawn: Callable[..., Worker], raw: redis.Redis, data_key: Callable[[str], str]
+) -> None:
+    ttl = 3.0
+    holder = spawn("semaphore_hold.py", "killed", 1, ttl, data_key("go"))
+    token = holder.expect("acquired", timeout=START_TIMEOUT)["token"]
+    os.kill(holder.pid, signal.SIGKILL)
+    holder.process.wait(10)
+    keys = Semaphore("killed", 1).keys
+    dead_lease_ends = float(raw.zscore(keys.holders, token))  # type: ignore[arg-type]
+
+    # Renewed a third into each lease, so at least two thirds of one are left.
+    assert not Semaphore("killed", 1).acquire(blocking=False)
+
+    late = Semaphore("killed", 1, ttl=30)
+    started = time.monotonic()
+    assert late.acquire(timeout=20)
+    waited = time.monotonic() - started
+    granted_at = float(raw.zscore(keys.holders, late.token)) - 30_000  # type: ignore[arg-type]
+    assert granted_at >= dead_lease_ends
+    # Woken by the end of the lease (a check-in), not a whole timeout later.
+    assert waited <= ttl + 2.0
+    assert holder_tokens(raw, "killed") == [late.token]
+    late.release()
+
+
+def test_the_watchdog_keeps_a_permit_past_several_leases(raw: redis.Redis) -> None:
+    holder = Semaphore("renewed", 1, ttl=0.6)
+    assert holder.acquire(blocking=False)
+    started = time.monotonic()
+    # Time passing is what is tested: five leases, with the permit checked all along.
+    while time.monotonic() - started < 3.0:
+        assert holder_tokens(raw, "renewed") == [holder.token]
+        assert not Semaphore("renewed", 1).acquire(blocking=False)
+        time.sleep(0.1)
+    assert not holder.lost
+    holder.release()  # no LockLost: the permit was never gone
+    assert holder_tokens(raw, "renewed") == []
+
+
+def test_without_the_watchdog_a_permit_ends_with_its_lease_and_release_says_so() -> None:
+    holder = Semaphore("unrenewed", 1, ttl=0.3, watchdog=False)
+    assert holder.acquire(blocking=False)
+    other = Semaphore("unrenewed", 1, ttl=5)
+    assert other.acquire(timeout=5)
+    with pytest.raises(LockLost, match="'unrenewed'"):
+        holder.release()
+    other.release()
+
+
+# -- contention errors ----------------------------------------------------------------------------
+
+
+def test_a_full_semaphore_raises_lock_contended_with_retry_after() -> None:
+    holders = [Semaphore("full", 2, ttl=5) for _ in range(2)]
+    for holder in holders:
+        assert holder.acquire(blocking=False)
+    with pytest.raises(LockContended) as refused, Semaphore("full", 2, blocking=False):
+        pass
+    assert refused.value.name == "full"
+    assert 1 <= refused.value.retry_after <= 5
+    started = time.monotonic()
+    with pytest.raises(LockContended), semaphore("full", 2, timeout=0.3):
+        pass
+    assert 0.25 <= time.monotonic() - started < 3.0
+    for holder in holders:
+        holder.release()
+    with semaphore("full", 2, blocking=False) as permit:
+        assert permit.token is not None
+
+
+def test_a_waiter_that_times_out_leaves_the_line(raw: redis.Redis) -> None:
+    holder = Semaphore("left", 1, ttl=10)
+    assert holder.acquire(blocking=False)
+    assert not Semaphore("left", 1).acquire(timeout=0.3)
+    assert queued(raw, "left") == 0
+    holder.release()
+    assert holder_tokens(raw, "left") == []
+
+
+def test_release_without_a_permit_raises_lock_not_owned() -> None:
+    with pytest.raises(LockNotOwned, match="'idle'"):
+        Semaphore("idle", 2).release()
+
+
+# -- async and decorator --------------------------------------------------------------------------
+
+
+def test_async_with_admits_limit_tasks_at_once_and_the_rest_wait() -> None:
+    inside = 0
+    peak = 0
+
+    async def section(both_in: asyncio.Event) -> None:
+        nonlocal inside, peak
+        async with Semaphore("tasks", 2, timeout=10):
+            inside += 1
+            peak = max(peak, inside)
+            if inside == 2:
+                both_in.set()
+            await asyncio.wait_for(both_in.wait(), 10)
+            inside -= 1
+
+    async def main() -> tuple[bool, int]:
+        both_in = asyncio.Event()
+        await asyncio.gather(*(section(both_in) for _ in range(5)))
+        late = Semaphore("tasks", 2)
+        got = await late.aacquire(blocking=False)
+        await late.arelease()
+        return got, peak
+
+    assert asyncio.run(main()) == (True, 2)
+
+
+def test_async_acquire_times_out_then_succeeds_after_a_release(raw: redis.Redis) -> None:
+    async def main() -> tuple[bool, bool]:
+        holder = Semaphore("async", 1, ttl=10)
+        assert await holder.aacquire(blocking=False)
+        refused = await Semaphore("async", 1).aacquire(timeout=0.2)
+        waiter = Semaphore("async", 1)
+        waiting = asyncio.create_task(waiter.aacquire(timeout=10))
+        await asyncio.to_thread(wait_until, lambda: queued(raw, "async") == 1)
+        await holder.arelease()
+        granted = await waiting
+        await waiter.arelease()
+        return refused, granted
+
+    assert asyncio.run(main()) == (False, True)
+
+
+def test_the_decorator_fills_the_name_template_per_call(raw: redis.Redis) -> None:
+    seen: list[Any] = []
+
+    @semaphore("tenant:{tenant_id}", 1, blocking=False)
+    def export(tenant_id: int) -> str:
+        seen.append([(held.name, held.limit, len(held.holders)) for held in held_semaphores()])
+        return f"exported {tenant_id}"
+
+    assert export(7) == "exported 7"
+    assert seen == [[("tenant:7", 1, 1)]]
+    busy = Semaphore("tenant:7", 1, ttl=5)
+    assert busy.acquire(blocking=False)
+    with pytest.raises(LockContended):
+        export(7)
+    assert export(8) == "exported 8"
+    busy.release()
+
+
+def test_the_async_decorator_holds_a_permit_while_the_coroutine_runs() -> None:
+    @semaphore("job:{job}", 1, blocking=False)
+    async def run(job: str) -> list[str]:
+        return [held.name for held in await asyncio.to_thread(held_semaphores)]
+
+    assert asyncio.run(run("a")) == ["job:a"]
+    assert held_semaphores() == []
+
+
+# -- introspection and reset ----------------------------------------------------------------------
+
+
+def test_held_semaphores_lists_each_holder_with_its_owner_and_the_limit() -> None:
+    first = Semaphore("listed", 3, ttl=20, label="export")
+    second = Semaphore("listed", 3, ttl=20)
+    assert first.acquire(blocking=False) and second.acquire(blocking=False)
+    (held,) = held_semaphores()
+    assert held.name == "listed"
+    assert held.limit == 3
+    assert {h.token for h in held.holders} == {first.token, second.token}
+    labels = {h.token: h.owner.label for h in held.holders}
+    assert labels[first.token] == "export"
+    assert all(h.owner.pid == os.getpid() for h in held.holders)
+    assert all(0 < h.time_left <= 20 for h in held.holders)
+    first.release()
+    second.release()
+    assert held_semaphores() == []
+
+
+def test_reset_frees_every_permit_and_hands_them_to_the_line(raw: redis.Redis) -> None:
+    holders = [Semaphore("reset", 2, ttl=30, watchdog=False) for _ in range(2)]
+    for holder in holders:
+        assert holder.acquire(blocking=False)
+    assert reset_semaphore("reset") == 2
+    assert holder_tokens(raw, "reset") == []
+    for holder in holders:
+        with pytest.raises(LockLost):
+            holder.release()
+    assert reset_semaphore("reset") == 0
+
+
+def test_a_reset_wakes_a_waiter_with_a_freed_permit(
+    spawn: Callable[..., Worker], raw: redis.Redis, data_key: Callable[[str], str]
+) -> None:
+    holder = Semaphore("reset-wait", 1, ttl=30, watchdog=False)
+    assert holder.acquire(blocking=False)
+    go = data_key("go")
+    waiter = spawn("semaphore_hold.py", "reset-wait", 1, 30, go)
+    wait_until(lambda: queued(raw, "reset-wait") == 1, START_TIMEOUT, "the waiter in line")
+    assert reset_semaphore("reset-wait") == 1
+    token = waiter.expect("acquired")["token"]
+    assert holder_tokens(raw, "reset-wait") == [token]
+    raw.rpush(go, "go")
+    waiter.expect("released")
+    assert waiter.finish() == 0
+
+
+# -- keys -----------------------------------------------------------------------------------------
+
+
+def test_every_key_has_an_expiry_while_held_and_waited_for_and_none_is_left_after(
+    raw: redis.Redis, namespace_keys: Callable[[], list[bytes]]
+) -> None:
+    holder = Semaphore("expiring", 1, ttl=30)
+    assert holder.acquire(blocking=False)
+    waiter = Semaphore("expiring", 1)
+
+    async def wait_then_check() -> list[tuple[bytes, int]]:
+        task = asyncio.create_task(waiter.aacquire(timeout=10))
+        await asyncio.to_thread(wait_until, lambda: queued(raw, "expiring") == 1)
+        ttls = [(key, int(raw.pttl(key))) for key in namespace_keys()]
+        await asyncio.to_thread(holder.release)
+        assert await task
+        await waiter.arelease()
+        return ttls
+
+    ttls = asyncio.run(wait_then_check())
+    assert {key.rsplit(b":", 1)[-1] for key, _ in ttls} >= {
+        b"holders",
+        b"owners",
+        b"queue",
+        b"leases",
+        b"waiting",
+        b"limit",
+    }
+    assert [key for key, ms in ttls if ms <= 0] == []
+    leftover = [(key, int(raw.pttl(key))) for key in namespace_keys()]
+    assert [key for key, ms in leftover if ms <= 0] == []
+    # What is left is only a wake-up or the line's lapse, gone within a wait lease.
+    assert all(ms <= 2000 for _, ms in leftover)
+
+
+# -- bad input ------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("limit", "error", "message"),
+    [
+        (0, ValueError, "must be at least 1, got 0"),
+        (-2, ValueError, "must be at least 1, got -2"),
+        (True, TypeError, "must be an int, not bool"),
+        (1.5, TypeError, "must be an int, not float"),
+        ("3", TypeError, "must be an int, not str"),
+        (None, TypeError, "must be an int, not NoneType"),
+        (MAX_LIMIT + 1, ValueError, f"must be at most {MAX_LIMIT}"),
+    ],
+)
+def test_a_bad_limit_is_refused_naming_the_problem(
+    limit: object, error: type[Exception], message: str
+) -> None:
+    with pytest.raises(error, match=f"Semaphore limit {message}"):
+        Semaphore("limits", limit)  # type: ignore[arg-type]
+    with pytest.raises(error, match=f"Semaphore limit {message}"):
+        semaphore("limits", limit)  # type: ignore[arg-type]
+
+
+def test_bad_names_and_options_are_refused_naming_the_problem() -> None:
+    with pytest.raises(ValueError, match="must not be empty"):
+        Semaphore("", 1)
+    with pytest.raises(TypeError, match="must be a string"):
+        Semaphore(3, 1)  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="one cache alias"):
+        Semaphore("x", 1, using=["default"])  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="non-blocking"):
+        Semaphore("x", 1, blocking=False, timeout=2)
+    with pytest.raises(ValueError, match="non-blocking"):
+        semaphore("x", 1, blocking=False, timeout=2)
+    with pytest.raises(TypeError, match="ttl must be a number"):
+        semaphore("x", 1, ttl="long")  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="blocking must be True or False"):
+        Semaphore("x", 1).acquire(blocking=1)  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="only filled when semaphore"), semaphore(lambda: "x", 1):
+        pass
+    held = Semaphore("x", 1)
+    assert held.acquire(blocking=False)
+    with pytest.raises(RuntimeError, match="already holds or is acquiring a permit"):
+        held.acquire(blocking=False)
+    held.release()
+
+
+# -- declared keys --------------------------------------------------------------------------------
+
+
+def test_every_key_a_semaphore_script_touches_is_declared_in_its_keys(
+    monitored: tuple[RedisServer, redis.Redis],  # noqa: F811  (the imported fixture)
+) -> None:
+    server, raw = monitored
+    names = {script.sha: script.name for script in SEMAPHORE_SCRIPTS}
+    monitor = Monitor(server.port)
+    try:
+        for name in ("sem:a", "sem:{b}"):
+            # Uncontended, renewed by the watchdog, extended by hand.
+            renewed = Semaphore(name, 1, ttl=0.3)
+            assert renewed.acquire(blocking=False)
+            wait_until(lambda r=renewed: renewed_count(raw, r) >= 2, what="two renewals")
+            renewed.extend(5)
+            # A waiter that gives up (cancel), then one handed the permit (release, wake).
+            assert not Semaphore(name, 1).acquire(timeout=0.2)
+            waiter = Semaphore(name, 1)
+            thread = threading.Thread(target=waiter.acquire, kwargs={"timeout": 10})
+            thread.start()
+            wait_until(lambda n=name: queued(raw, n) == 1, what="the waiter in line")
+            renewed.release()
+            thread.join(10)
+            assert waiter.token is not None
+            # A reset handing the freed permit to the next waiter.
+            late = Semaphore(name, 1)
+            thread = threading.Thread(target=late.acquire, kwargs={"timeout": 10})
+            thread.start()
+            wait_until(lambda n=name: queued(raw, n) == 1, what="the next waiter in line")
+            assert reset_semaphore(name) == 1
+            thread.join(10)
+            assert late.token is not None
+            late.release()
+            # A holder granted while another waits wakes that one inside its release.
+            first = Semaphore(name, 1)
+            assert first.acquire(blocking=False)
+            second, third = Semaphore(name, 1), Semaphore(name, 1)
+            threads = [
+                threading.Thread(target=handle.acquire, kwargs={"timeout": 10})
+                for handle in (second, third)
+            ]
+            for count, thread in enumerate(threads, start=1):
+                thread.start()
+                wait_until(lambda n=name, c=count: queued(raw, n) == c, what="waiters in line")
+            first.release()
+            threads[0].join(10)
+            assert second.token is not None
+            second.release()
+            threads[1].join(10)
+            assert third.token is not None
+            third.release()
+            # A lease that ends with nobody renewing it, pruned by the next acquisition.
+            lapsing = Semaphore(name, 1, ttl=0.05, watchdog=False)
+            assert lapsing.acquire(blocking=False)
+            after = Semaphore(name, 1)
+            assert after.acquire(timeout=5)
+            after.release()
+    finally:
+        commands = monitor.stop()
+
+    runs = script_runs(commands)
+    keys_of = KeysOf(server.port)
+    try:
+        assert undeclared(runs, keys_of) == []
+    finally:
+        keys_of.close()
+    ran = {names.get(run.script, run.script) for run in runs}
+    assert ran >= {script.name for script in SEMAPHORE_SCRIPTS}
+    # Both ways of waking a waiter ran: inside the release, and by SEM_WAKE.
+    pushed_by = {
+        names.get(run.script, run.script)
+        for run in runs
+        if any(command.name == "RPUSH" for command in run.ran)
+    }
+    assert pushed_by >= {"semaphore_release", "semaphore_wake"}
+
+
+def renewed_count(raw: redis.Redis, held: Semaphore) -> int:
+    """Count how often the lease of ``held`` moved (a poll of its score)."""
+    score = raw.zscore(held.keys.holders, held.token or "")
+    seen = _scores.setdefault(held.token or "", set())
+    if score is not None:
+        seen.add(score)
+    return len(seen) - 1
+
+
+def test_the_locks_command_lists_each_semaphore_with_its_holders_and_limit() -> None:
+    from io import StringIO
+
+    from django.core.management import call_command
+
+    holder = Semaphore("reports", 4, ttl=20, label="nightly")
+    assert holder.acquire(blocking=False)
+    out = StringIO()
+    call_command("locks", stdout=out)
+    text = out.getvalue()
+    assert "Semaphores in cache 'default':" in text
+    assert "reports  1/4 permits held" in text
+    assert "nightly" in text
+    holder.release()
+    out = StringIO()
+    call_command("locks", stdout=out)
+    assert "Semaphores" not in out.getvalue()
+
+
+def test_aextend_renews_the_permit_and_refuses_one_that_ended() -> None:
+    async def main() -> None:
+        holder = Semaphore("aextend", 1, ttl=0.2, watchdog=False)
+        assert await holder.aacquire(blocking=False)
+        await holder.aextend(10)
+        assert not await Semaphore("aextend", 1).aacquire(timeout=0.4)
+        await holder.arelease()
+        with pytest.raises(LockNotOwned):
+            await holder.aextend()
+
+    asyncio.run(main())
+
+
+def test_the_middleware_answers_a_full_semaphore_with_503_and_retry_after(rf: Any) -> None:
+    from django.http import HttpResponse
+
+    from django_redis_mutex.middleware import MutexMiddleware
+
+    @semaphore("report-view", 1, blocking=False)
+    def view(request: Any) -> HttpResponse:
+        return HttpResponse("report")
+
+    middleware = MutexMiddleware(view)
+    request = rf.get("/report/")
+    assert view(request).content == b"report"
+    busy = Semaphore("report-view", 1, ttl=6)
+    assert busy.acquire(blocking=False)
+    try:
+        with pytest.raises(LockContended) as refused:
+            view(request)
+        response = middleware.process_exception(request, refused.value)
+    finally:
+        busy.release()
+    assert response is not None
+    assert response.status_code == 503
+    assert 1 <= int(response["Retry-After"]) <= 6
+    assert json.loads(response.content)["lock"] == "report-view"
+
+
+def test_a_waiter_killed_in_line_delays_the_next_by_at_most_a_hand_off_lease(
+    spawn: Callable[..., Worker], raw: redis.Redis, data_key: Callable[[str], str]
+) -> None:
+    holder = Semaphore("dead-waiter", 1, ttl=30)
+    assert holder.acquire(blocking=False)
+    doomed = spawn("semaphore_hold.py", "dead-waiter", 1, 30, data_key("go-doomed"))
+    wait_until(lambda: queued(raw, "dead-waiter") == 1, START_TIMEOUT, "the first waiter")
+    go = data_key("go")
+    survivor = spawn("semaphore_hold.py", "dead-waiter", 1, 30, go)
+    wait_until(lambda: queued(raw, "dead-waiter") == 2, START_TIMEOUT, "the second waiter")
+    os.kill(doomed.pid, signal.SIGKILL)
+    doomed.process.wait(10)
+
+    released = time.monotonic()
+    holder.release()  # handed to the dead waiter if its place had not lapsed yet
+    token = survivor.expect("acquired", timeout=20)["token"]
+    assert time.monotonic() - released <= HANDOFF_LEASE + WAIT_LEASE / 2 + 3.0
+    assert holder_tokens(raw, "dead-waiter") == [token]
+    raw.rpush(go, "go")
+    survivor.expect("released")
+    assert survivor.finish() == 0
+
+
+def test_threads_sharing_one_handle_take_one_permit_between_them() -> None:
+    shared = Semaphore("shared-handle", 5, ttl=10)
+    results: list[str] = []
+    start = threading.Barrier(4)
+
+    def take() -> None:
+        start.wait()
+        try:
+            results.append("got" if shared.acquire(timeout=5) else "refused")
+        except RuntimeError:
+            results.append("busy")
+
+    threads = [threading.Thread(target=take) for _ in range(4)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(20)
+    assert sorted(results).count("got") == 1
+    assert [h.token for h in held_semaphores()[0].holders] == [shared.token]
+    shared.release()
+
+
+def test_a_holder_paused_past_its_lease_loses_its_permit_and_is_told_on_leaving(
+    spawn: Callable[..., Worker], raw: redis.Redis, data_key: Callable[[str], str]
+) -> None:
+    go = data_key("go")
+    paused = spawn("semaphore_hold.py", "paused", 1, 1.0, go)
+    token = paused.expect("acquired", timeout=START_TIMEOUT)["token"]
+    os.kill(paused.pid, signal.SIGSTOP)
+    try:
+        taker = Semaphore("paused", 1, ttl=30)
+        assert taker.acquire(timeout=10)  # once the paused holder's lease ended
+        assert holder_tokens(raw, "paused") == [taker.token]
+    finally:
+        os.kill(paused.pid, signal.SIGCONT)
+    raw.rpush(go, "go")
+    assert "permit had already ended" in paused.expect("lost")["message"]
+    assert paused.finish() == 0
+    # The paused holder's renewal did not bring its permit back.
+    assert holder_tokens(raw, "paused") == [taker.token]
+    assert token != taker.token
+    taker.release()
+
+
+# -- Redis Cluster --------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", HOSTILE_NAMES)
+def test_every_key_of_a_semaphore_shares_one_slot(name: str) -> None:
+    keys = SemaphoreKeys.for_name("tests:mutex", name)
+    every_key = [*keys.script_keys, keys.wake("0123456789abcdef0123456789abcdef")]
+    assert {key_slot(key.encode()) for key in every_key} == {key_slot(escape_name(name).encode())}
+
+
+def test_a_semaphore_on_a_redis_cluster_hands_permits_on_and_lists_them(
+    mutex_prefix: str,
+) -> None:
+    with (
+        RedisClusterServers(primaries=3) as cluster,
+        extra_caches({"cluster": cluster_entry(cluster, mutex_prefix)}),
+    ):
+        names = ["crawl:{a}", "crawl:b", "crawl:c"]
+        for name in names:
+            first = Semaphore(name, 1, using="cluster", ttl=10)
+            assert first.acquire(blocking=False)
+            waiter = Semaphore(name, 1, using="cluster")
+            thread = threading.Thread(target=waiter.acquire, kwargs={"timeout": 10})
+            thread.start()
+            wait_until(lambda w=waiter: w.token is not None or queued_on(w) == 1)
+            assert [held.name for held in held_semaphores("cluster")] == [name]
+            first.release()
+            thread.join(10)
+            assert waiter.token is not None
+            waiter.release()
+        assert held_semaphores("cluster") == []
+
+
+def queued_on(handle: Semaphore) -> int:
+    """Return how many wait in line for ``handle``'s semaphore, asked through its own alias."""
+    from django_redis_mutex.client import get_client
+
+    return int(get_client(handle.using).zcard(handle.keys.queue))
+
+
+def test_resetting_every_lock_leaves_semaphores_alone(raw: redis.Redis) -> None:
+    from django_redis_mutex import Mutex, reset_all
+
+    holder = Semaphore("kept", 2, ttl=20)
+    assert holder.acquire(blocking=False)
+    assert Mutex("beside", watchdog=False).acquire(blocking=False)
+    assert reset_all() == 1  # the lock, and only it
+    assert holder_tokens(raw, "kept") == [holder.token]
+    holder.release()
+
+
+def test_max_hold_stops_renewing_a_permit_so_it_ends() -> None:
+    from django.test import override_settings
+
+    from .helpers import caches_with
+
+    with override_settings(CACHES=caches_with(MAX_HOLD=0.5)):
+        capped = Semaphore("capped", 1, ttl=0.3)
+        assert capped.acquire(blocking=False)
+        started = time.monotonic()
+        successor = Semaphore("capped", 1, ttl=5)
+        assert successor.acquire(timeout=10)
+        # Renewed up to MAX_HOLD, then left to run out its last lease.
+        assert time.monotonic() - started >= 0.5
+        with pytest.raises(LockLost):
+            capped.release()
+        successor.release()
