@@ -1,0 +1,219 @@
+"""A django-debug-toolbar panel: the locks a request took, waited for and held.
+
+Add ``"django_redis_mutex.panels.LocksPanel"`` to ``DEBUG_TOOLBAR_PANELS``.
+The panel listens to the lock signals while at least one request with the
+toolbar is in flight (no receiver is connected otherwise) and keeps, per
+request, what the request's own thread or task did: a context variable set
+around the view scopes the record, so locks taken at the same time by other
+requests, threads or the watchdog never show up in it.
+"""
+
+from __future__ import annotations
+
+import inspect
+import threading
+import time
+from collections.abc import Awaitable
+from contextvars import ContextVar
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from debug_toolbar.panels import Panel
+from django.dispatch import Signal
+from django.http import HttpRequest, HttpResponse
+from django.utils.translation import gettext_lazy as _
+from django.utils.translation import ngettext
+
+from . import signals
+from .display import terminal_safe
+
+__all__ = ["LocksPanel"]
+
+_UID = "django_redis_mutex.panels"
+
+
+@dataclass
+class _Row:
+    """One acquisition attempt; times in milliseconds, as the toolbar shows them."""
+
+    outcome: str  # acquired, contended or unavailable
+    alias: str
+    name: str
+    at: float  # when the attempt began, from the start of the request
+    wait: float
+    fence: int | None = None
+    held: float | None = None  # set at release (or loss); None while held
+    lost: bool = False
+    detail: str = ""
+
+
+@dataclass
+class _Record:
+    """What one request did with locks: one row per acquisition attempt, in order."""
+
+    started: float
+    rows: list[_Row] = field(default_factory=list)
+
+    def add(self, outcome: str, alias: str, name: str, wait: float, **extra: Any) -> None:
+        at = (time.monotonic() - wait - self.started) * 1000
+        self.rows.append(
+            _Row(
+                outcome=outcome,
+                # Names often come from request data: control and bidi characters escaped.
+                alias=terminal_safe(alias),
+                name=terminal_safe(name),
+                at=round(max(at, 0.0), 2),
+                wait=round(wait * 1000, 2),
+                **extra,
+            )
+        )
+
+    def end(self, alias: str, name: str, fence: int, held: float, *, lost: bool) -> None:
+        """Record the end of the hold ``fence`` of ``name``, if this request took it."""
+        key = ("acquired", terminal_safe(alias), terminal_safe(name), fence)
+        for row in reversed(self.rows):
+            if row.held is None and (row.outcome, row.alias, row.name, row.fence) == key:
+                row.held = round(held * 1000, 2)
+                row.lost = lost
+                return
+
+
+_current: ContextVar[_Record | None] = ContextVar("django_redis_mutex_panel", default=None)
+
+
+def _on_acquired(sender: str, name: str, fence: int, wait: float, **kwargs: Any) -> None:
+    record = _current.get()
+    if record is not None:
+        record.add("acquired", sender, name, wait, fence=fence)
+
+
+def _on_contended(
+    sender: str, name: str, wait: float, retry_after: int, owner: Any, **kwargs: Any
+) -> None:
+    record = _current.get()
+    if record is not None:
+        held_by = terminal_safe(str(owner)) if owner is not None else _("unknown owner")
+        detail = _("held by %(owner)s; retry after %(seconds)d s") % {
+            "owner": held_by,
+            "seconds": retry_after,
+        }
+        record.add("contended", sender, name, wait, detail=detail)
+
+
+def _on_unavailable(
+    sender: str, name: str, wait: float, error: BaseException, **kwargs: Any
+) -> None:
+    record = _current.get()
+    if record is not None:
+        record.add("unavailable", sender, name, wait, detail=terminal_safe(str(error)))
+
+
+def _on_released(sender: str, name: str, fence: int, held: float, **kwargs: Any) -> None:
+    record = _current.get()
+    if record is not None:
+        record.end(sender, name, fence, held, lost=False)
+
+
+def _on_lost(sender: str, name: str, fence: int, held: float, **kwargs: Any) -> None:
+    record = _current.get()
+    if record is not None:
+        record.end(sender, name, fence, held, lost=True)
+
+
+_RECEIVERS: tuple[tuple[Signal, Any], ...] = (
+    (signals.lock_acquired, _on_acquired),
+    (signals.lock_contended, _on_contended),
+    (signals.lock_unavailable, _on_unavailable),
+    (signals.lock_released, _on_released),
+    (signals.lock_lost, _on_lost),
+)
+
+# Requests with this panel enabled in flight; the receivers are connected
+# only while there is one.
+_listening = 0
+_listening_lock = threading.Lock()
+
+
+def _listen() -> None:
+    global _listening
+    with _listening_lock:
+        _listening += 1
+        if _listening == 1:
+            for signal, receiver in _RECEIVERS:
+                signal.connect(receiver, dispatch_uid=_UID)
+
+
+def _stop_listening() -> None:
+    global _listening
+    with _listening_lock:
+        _listening -= 1
+        if _listening == 0:
+            for signal, _receiver in _RECEIVERS:
+                signal.disconnect(dispatch_uid=_UID)
+
+
+class LocksPanel(Panel):
+    """The locks of this request: outcome, wait, fence and time held, in order."""
+
+    is_async = True
+    title = _("Locks")
+    template = "django_redis_mutex/panels/locks.html"
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._record: _Record | None = None
+        self._listening = False
+
+    @property
+    def nav_subtitle(self) -> str:
+        stats: dict[str, Any] = self.get_stats()  # type: ignore[no-untyped-call]
+        count = len(stats.get("locks", ()))
+        subtitle = ngettext("%(count)d lock", "%(count)d locks", count) % {"count": count}
+        contended = stats.get("contended", 0)
+        if contended:
+            subtitle += ", " + _("%(count)d contended") % {"count": contended}
+        waited = stats.get("waited", 0.0)
+        if waited:
+            subtitle += ", " + _("%(ms).1f ms waiting") % {"ms": waited}
+        return subtitle
+
+    def enable_instrumentation(self) -> None:
+        if not self._listening:
+            self._listening = True
+            _listen()
+
+    def disable_instrumentation(self) -> None:
+        if self._listening:
+            self._listening = False
+            _stop_listening()
+
+    def process_request(self, request: HttpRequest) -> Any:
+        record = self._record = _Record(started=time.monotonic())
+        token = _current.set(record)
+        try:
+            response = self.get_response(request)
+        finally:
+            _current.reset(token)
+        if inspect.isawaitable(response):
+            # The toolbar runs async: the view runs when this is awaited.
+            return self._aprocess(response, record)
+        return response
+
+    async def _aprocess(self, response: Awaitable[HttpResponse], record: _Record) -> HttpResponse:
+        token = _current.set(record)
+        try:
+            return await response
+        finally:
+            _current.reset(token)
+
+    def generate_stats(self, request: HttpRequest, response: HttpResponse) -> None:
+        rows = self._record.rows if self._record is not None else []
+        # Plain values only: the toolbar stores them as JSON for its history.
+        self.record_stats(  # type: ignore[no-untyped-call]
+            {
+                "locks": [asdict(row) for row in rows],
+                "contended": sum(row.outcome == "contended" for row in rows),
+                "waited": round(sum(row.wait for row in rows), 2),
+                "held": round(sum(row.held or 0.0 for row in rows), 2),
+            }
+        )
