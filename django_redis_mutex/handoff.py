@@ -1,0 +1,87 @@
+"""Waking a waiter that a script handed the lock to but could not wake itself.
+
+A script may push a waiter's wake-up only when that waiter's list is among its
+KEYS (see :mod:`django_redis_mutex.scripts`). When it is not (a release whose
+holder did not know who would be next, a cancel or reset, an acquisition
+that found an expired lock with waiters), the script hands the lock over and
+returns the new holder's token; the steps here then send :data:`~.scripts.WAKE`
+for it. That second step is best effort: if it is lost (Redis unreachable,
+the client gone), the waiter's next check-in finds the lock already granted
+to it, at most half a wait lease later.
+
+Like the lock's own steps, these yield what to run and do no I/O (see
+:mod:`django_redis_mutex.driver`), so sync and async callers share them.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from . import scripts
+from .driver import Script, Steps
+from .holds import decode
+from .keys import LockKeys
+
+__all__ = ["Wakeup", "handed_to", "parse_wakeup", "release_steps", "reset_steps", "wake_steps"]
+
+
+def handed_to(reply: Any) -> str | None:
+    """Return the waiter a RELEASE, RESET or ACQUIRE reply says the caller must wake, or None.
+
+    Those scripts answer with a token (a string) exactly when they handed the
+    lock to a waiter they could not wake; every other answer is a number or ''.
+    """
+    if isinstance(reply, (bytes, str)):
+        return decode(reply) or None
+    return None
+
+
+def wake_steps(alias: str, keys: LockKeys, token: str) -> Steps[None]:
+    """Push the wake-up of waiter ``token``, if the lock is still its own (best effort)."""
+    yield Script(
+        alias,
+        scripts.WAKE,
+        (keys.lock, keys.queue, keys.wake(token)),
+        [token],
+        best_effort=True,
+    )
+
+
+def _woken(alias: str, keys: LockKeys, reply: Any) -> Steps[None]:
+    head = handed_to(reply)
+    if head is not None:
+        yield from wake_steps(alias, keys, head)
+
+
+def reset_steps(alias: str, keys: LockKeys) -> Steps[bool]:
+    """Force-release the lock on ``alias``, handing it to the first waiter; return True if held."""
+    _sent, done = yield Script(alias, scripts.RESET, keys.script_keys, [])
+    yield from _woken(alias, keys, done)
+    return bool(done)
+
+
+def release_steps(alias: str, keys: LockKeys, token: str) -> Steps[bool]:
+    """Release the lock on ``alias`` as the holder of ``token``; return True if it held it.
+
+    For the operator's tools, which know no successor: a waiter the lock goes
+    to is woken by WAKE.
+    """
+    _sent, done = yield Script(alias, scripts.RELEASE, keys.script_keys, [token])
+    yield from _woken(alias, keys, done)
+    return bool(done)
+
+
+class Wakeup:
+    """What a waiter's wake-up says: its fence, and who was next in line behind it then."""
+
+    __slots__ = ("fence", "successor")
+
+    def __init__(self, fence: int, successor: str | None) -> None:
+        self.fence = fence
+        self.successor = successor
+
+
+def parse_wakeup(value: Any) -> Wakeup:
+    """Return the wake-up popped from a waiter's list (``"<fence>|<successor token>"``)."""
+    fence, _, successor = decode(value).partition("|")
+    return Wakeup(int(fence), successor or None)

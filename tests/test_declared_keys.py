@@ -1,0 +1,536 @@
+"""Every key a lock script touches is one it declared in KEYS (the Redis Cluster contract).
+
+On a Redis Cluster whose slot is being migrated, Redis checks the keys a
+script *declares* and redirects it (ASK, or TRYAGAIN when they are split
+between the nodes); a key the script reaches on its own is just looked up on
+the node it runs on, missing if it moved already, and written anew beside the
+moved copy. So the contract is checked for the whole class of operations, not
+for one script at a time:
+
+* a random mix of every lock operation (uncontended and contended, hand-offs
+  with and without a known successor, timeouts, interrupted waits, resets,
+  extensions, renewals, listings, quorum locks) runs against a real
+  redis-server while MONITOR records every command, and each command a script
+  ran must touch only keys that script declared (``COMMAND GETKEYS`` says
+  which keys a command touches);
+* on a real Redis Cluster, part of a lock's keys is moved to another primary
+  by hand (``SETSLOT MIGRATING/IMPORTING`` and ``MIGRATE``): every operation
+  then either runs against the whole lock or fails with
+  ``LockBackendUnavailable`` after redis-py's TRYAGAIN retries, and never
+  leaves a second copy of a moved key on the source.
+
+The random mix takes its seed from ``DECLARED_KEYS_SEED`` (random otherwise);
+a failure names it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+import os
+import random
+import threading
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import pytest
+import redis
+from django.conf import settings
+from django.test import override_settings
+
+from django_redis_mutex import (
+    LockBackendUnavailable,
+    LockNotOwned,
+    Mutex,
+    held_locks,
+    mutex,
+    reset,
+    reset_all,
+)
+from django_redis_mutex import scripts as lock_scripts
+from django_redis_mutex.keys import LockKeys, escape_name
+from django_redis_mutex.testing import RedisClusterServers, RedisServer
+
+from .helpers import wait_until
+from .topologies import cluster_entry, extra_caches
+
+SEED = int(os.environ.get("DECLARED_KEYS_SEED") or random.randrange(2**32))
+QUORUM = ["q1", "q2", "q3"]
+SCRIPT_NAMES = {
+    script.sha: script.name
+    for script in vars(lock_scripts).values()
+    if isinstance(script, lock_scripts.LuaScript)
+}
+_STOP = b"declared-keys-monitor-stop"
+
+
+# -- reading MONITOR ---------------------------------------------------------------------------
+
+
+@dataclass
+class Command:
+    """One command a server executed, as MONITOR showed it."""
+
+    source: str  # "lua" for a command a script ran, else the client's address
+    args: list[bytes]
+
+    @property
+    def name(self) -> str:
+        return self.args[0].decode().upper()
+
+
+def parse_monitor_line(line: bytes) -> Command:
+    """Return the command of one MONITOR line: ``<time> [<db> <source>] "ARG" "ARG" ...``.
+
+    Arguments are quoted the way Redis prints them (``sdscatrepr``):
+    backslash escapes for quotes, backslashes, ``\\n \\r \\t \\a \\b`` and
+    ``\\xHH`` for other unprintable bytes.
+    """
+    open_at = line.index(b"[")
+    close_at = line.index(b"]", open_at)
+    source = line[open_at + 1 : close_at].split(b" ", 1)[1].decode()
+    text = line[close_at + 1 :]
+    escapes = {ord("n"): 10, ord("r"): 13, ord("t"): 9, ord("a"): 7, ord("b"): 8}
+    args: list[bytes] = []
+    i = 0
+    while i < len(text):
+        if text[i] == ord(" "):
+            i += 1
+            continue
+        assert text[i] == ord('"'), f"unexpected MONITOR line {line!r}"
+        i += 1
+        arg = bytearray()
+        while text[i] != ord('"'):
+            if text[i] == ord("\\"):
+                escaped = text[i + 1]
+                if escaped == ord("x"):
+                    arg.append(int(text[i + 2 : i + 4], 16))
+                    i += 4
+                    continue
+                arg.append(escapes.get(escaped, escaped))
+                i += 2
+                continue
+            arg.append(text[i])
+            i += 1
+        args.append(bytes(arg))
+        i += 1
+    return Command(source, args)
+
+
+class Monitor:
+    """Record every command a redis-server executes, from MONITOR, until :meth:`stop`."""
+
+    def __init__(self, port: int) -> None:
+        self.port = port
+        self.client = redis.Redis(port=port)
+        self.connection = self.client.connection_pool.get_connection()
+        self.connection.send_command("MONITOR")
+        assert self.connection.read_response() in (b"OK", "OK")
+        self.lines: list[bytes] = []
+        self.thread = threading.Thread(target=self._read, name="monitor", daemon=True)
+        self.thread.start()
+
+    def _read(self) -> None:
+        while True:
+            line = self.connection.read_response()
+            if _STOP in line:
+                return
+            self.lines.append(line)
+
+    def stop(self) -> list[Command]:
+        """Stop recording; return the commands seen, in the order the server ran them."""
+        self.client.echo(_STOP)
+        self.thread.join(30)
+        assert not self.thread.is_alive(), "MONITOR never showed its stop marker"
+        self.connection.disconnect()
+        self.client.close()
+        return [parse_monitor_line(line) for line in self.lines]
+
+
+@dataclass
+class ScriptRun:
+    """One EVALSHA (or EVAL) and the commands it ran."""
+
+    script: str
+    declared: set[bytes]
+    ran: list[Command] = field(default_factory=list)
+
+
+def script_runs(commands: list[Command]) -> list[ScriptRun]:
+    """Group the commands a script ran under the EVALSHA that ran it (MONITOR shows it first)."""
+    runs: list[ScriptRun] = []
+    current: ScriptRun | None = None
+    for command in commands:
+        if command.source == "lua":
+            assert current is not None, f"{command.args!r} ran by no script in sight"
+            current.ran.append(command)
+        elif command.name in ("EVALSHA", "EVAL"):
+            count = int(command.args[2])
+            sha = command.args[1].decode()
+            current = ScriptRun(SCRIPT_NAMES.get(sha, sha), set(command.args[3 : 3 + count]))
+            runs.append(current)
+        else:
+            current = None
+    return runs
+
+
+class KeysOf:
+    """``COMMAND GETKEYS`` on the server: which of a command's arguments are keys."""
+
+    def __init__(self, port: int) -> None:
+        self.client = redis.Redis(port=port)
+        self.cache: dict[tuple[bytes, ...], set[bytes]] = {}
+
+    def __call__(self, args: list[bytes]) -> set[bytes]:
+        key = tuple(args)
+        if key not in self.cache:
+            connection = self.client.connection_pool.get_connection()
+            try:
+                connection.send_command("COMMAND", "GETKEYS", *args)
+                try:
+                    self.cache[key] = set(connection.read_response())
+                except redis.ResponseError:  # TIME and the like take no key
+                    self.cache[key] = set()
+            finally:
+                self.client.connection_pool.release(connection)
+        return self.cache[key]
+
+    def close(self) -> None:
+        self.client.close()
+
+
+def undeclared(runs: list[ScriptRun], keys_of: KeysOf) -> list[str]:
+    """Return a line per command that touched a key its script did not declare."""
+    found = []
+    for run in runs:
+        for command in run.ran:
+            extra = keys_of(command.args) - run.declared
+            if extra:
+                found.append(
+                    f"{run.script}: {b' '.join(command.args)!r} touched {sorted(extra)!r}, "
+                    f"declared {sorted(run.declared)!r}"
+                )
+    return found
+
+
+# -- the random mix ----------------------------------------------------------------------------
+
+
+@pytest.fixture
+def monitored(mutex_prefix: str) -> Iterator[tuple[RedisServer, redis.Redis]]:
+    """A private redis-server as the default alias, and a quorum of its databases 1-3."""
+    with RedisServer() as server:
+        entries = copy.deepcopy(settings.CACHES)
+        entries["default"]["LOCATION"] = server.url
+        for index, alias in enumerate(QUORUM, start=1):
+            entries[alias] = copy.deepcopy(entries["default"])
+            entries[alias]["LOCATION"] = f"redis://127.0.0.1:{server.port}/{index}"
+            entries[alias]["MUTEX"] = {"PREFIX": mutex_prefix}
+        client = redis.Redis(port=server.port)
+        try:
+            with override_settings(CACHES=entries):
+                yield server, client
+        finally:
+            client.close()
+
+
+class Mix:
+    """The operations of the random mix; each leaves no lock held and no thread running."""
+
+    def __init__(self, raw: redis.Redis, rng: random.Random) -> None:
+        self.raw = raw
+        self.rng = rng
+        self.errors: list[BaseException] = []
+
+    def name(self) -> str:
+        # Few names, so operations meet each other's leftovers (a queue, a fence).
+        return self.rng.choice(["mix:a", "mix:b", "mix:{c}"])
+
+    def queued(self, name: str) -> int:
+        return int(self.raw.zcard(Mutex(name).keys.queue))
+
+    def waiter(self, name: str, timeout: float = 10, hold: float = 0.0) -> threading.Thread:
+        """Start a thread that waits for ``name``, holds it ``hold`` s, then releases it."""
+
+        def run() -> None:
+            try:
+                lock = Mutex(name, timeout=timeout)
+                if lock.acquire():
+                    threading.Event().wait(hold)
+                    lock.release()
+            except BaseException as exc:  # reported by the test, not lost in the thread
+                self.errors.append(exc)
+
+        thread = threading.Thread(target=run, daemon=True)
+        thread.start()
+        return thread
+
+    def join(self, threads: list[threading.Thread]) -> None:
+        for thread in threads:
+            thread.join(20)
+            assert not thread.is_alive(), "a waiter never finished"
+
+    def queue_behind(self, holder: Mutex, count: int, **waiter: Any) -> list[threading.Thread]:
+        """Start ``count`` waiters for ``holder``'s lock, one at a time (so in a known order)."""
+        threads = []
+        already = self.queued(holder.name)
+        for index in range(count):
+            threads.append(self.waiter(holder.name, **waiter))
+            wait_until(
+                lambda n=already + index + 1: self.queued(holder.name) >= n,
+                10,
+                "a waiter to queue",
+            )
+        return threads
+
+    # The operations. -------------------------------------------------------------------------
+
+    def uncontended(self) -> None:
+        with mutex(self.name()):
+            pass
+
+    def contended(self) -> None:
+        # The first waiter is woken by WAKE (the holder got the lock uncontended
+        # and knows no successor); each later one by the release script itself.
+        holder = Mutex(self.name(), timeout=10)
+        assert holder.acquire()
+        threads = self.queue_behind(holder, self.rng.randint(2, 3), hold=0.01)
+        holder.release()
+        self.join(threads)
+
+    def timeout(self) -> None:
+        holder = Mutex(self.name(), timeout=10)
+        assert holder.acquire()
+        assert not Mutex(holder.name, timeout=0.15).acquire()  # CANCEL at the deadline
+        holder.release()
+
+    def reset(self) -> None:
+        holder = Mutex(self.name(), timeout=10)
+        assert holder.acquire()
+        threads = self.queue_behind(holder, 1)
+        assert reset(holder.name) is True  # RESET hands the lock to the waiter, WAKE wakes it
+        self.join(threads)
+        with pytest.raises(LockNotOwned):
+            holder.release()
+
+    def expired(self) -> None:
+        # The holder's lease lapses with a waiter in line: the next ACQUIRE (a
+        # newcomer's, or the waiter's own check-in) gives the lock to the waiter.
+        holder = Mutex(self.name(), timeout=10, watchdog=False)
+        assert holder.acquire()
+        threads = self.queue_behind(holder, 1, hold=0.05)
+        self.raw.pexpire(holder.keys.lock, 1)
+        wait_until(lambda: not self.raw.exists(holder.keys.lock), 5, "the lease to lapse")
+        newcomer = Mutex(holder.name, reentrant=False)
+        if newcomer.acquire(blocking=False):
+            newcomer.release()
+        self.join(threads)
+
+    def interrupted(self) -> None:
+        # An async waiter cancelled while the lock is free and another waits:
+        # CANCEL hands the lock to the other one.
+        holder = Mutex(self.name(), timeout=10, watchdog=False)
+        assert holder.acquire()
+        started = threading.Event()
+        stop = threading.Event()
+
+        async def wait_then_give_up() -> None:
+            task = asyncio.ensure_future(Mutex(holder.name, timeout=10).aacquire())
+            started.set()
+            await asyncio.to_thread(stop.wait, 10)
+            task.cancel()
+            try:
+                await task
+            except asyncio.CancelledError:
+                pass
+            else:
+                raise AssertionError("the cancelled waiter got the lock")
+
+        def run() -> None:
+            try:
+                asyncio.run(wait_then_give_up())
+            except BaseException as exc:
+                self.errors.append(exc)
+
+        first = threading.Thread(target=run, daemon=True)
+        first.start()
+        assert started.wait(5)
+        wait_until(lambda: self.queued(holder.name) >= 1, 10, "the async waiter to queue")
+        (second,) = self.queue_behind(holder, 1)
+        self.raw.pexpire(holder.keys.lock, 1)
+        wait_until(lambda: not self.raw.exists(holder.keys.lock), 5, "the lease to lapse")
+        stop.set()
+        self.join([first, second])
+
+    def extend(self) -> None:
+        with mutex(self.name()) as lock:
+            lock.extend(5)
+            assert lock.time_left() > 1
+
+    def renewed(self) -> None:
+        # The watchdog renews a third into the lease, in a pipeline of EXTENDs.
+        with mutex(self.name(), ttl=1.5):
+            threading.Event().wait(0.6)
+
+    def listing(self) -> None:
+        with mutex(self.name()) as lock:
+            assert lock.name in {held.name for held in held_locks()}
+        if self.rng.random() < 0.3:
+            reset_all()
+
+    def quorum(self) -> None:
+        with mutex(self.name(), using=QUORUM) as lock:
+            assert not Mutex(lock.name, using=QUORUM, reentrant=False).acquire(blocking=False)
+
+
+def test_every_key_a_script_touches_is_declared_in_its_keys(
+    monitored: tuple[RedisServer, redis.Redis],
+) -> None:
+    server, raw = monitored
+    mix = Mix(raw, random.Random(SEED))
+    operations: list[Callable[[], None]] = [
+        mix.uncontended,
+        mix.contended,
+        mix.timeout,
+        mix.reset,
+        mix.expired,
+        mix.interrupted,
+        mix.extend,
+        mix.renewed,
+        mix.listing,
+        mix.quorum,
+    ]
+    plan = operations + [mix.rng.choice(operations) for _ in range(20)]
+    mix.rng.shuffle(plan)
+    monitor = Monitor(server.port)
+    try:
+        for operation in plan:
+            operation()
+    finally:
+        commands = monitor.stop()
+    assert mix.errors == [], f"seed {SEED}"
+    assert held_locks() == []
+
+    keys_of = KeysOf(server.port)
+    try:
+        runs = script_runs(commands)
+        assert undeclared(runs, keys_of) == [], f"seed {SEED}"
+    finally:
+        keys_of.close()
+    ran = {run.script for run in runs}
+    assert ran >= {"acquire", "release", "cancel", "reset", "extend", "wake", "raise_fence"}
+    # Both ways of waking a waiter ran: inside RELEASE, and by WAKE.
+    pushed_by = {run.script for run in runs if any(c.name == "RPUSH" for c in run.ran)}
+    assert pushed_by >= {"release", "wake"}, f"seed {SEED}"
+
+
+def test_monitor_lines_are_parsed_with_their_escapes() -> None:
+    line = b'1.5 [0 lua] "HSET" "a \\"b\\"" "\\x00\\n\\\\" "{\\xc3\\xa9}"'
+
+    command = parse_monitor_line(line)
+
+    assert command.source == "lua"
+    assert command.args == [b"HSET", b'a "b"', b"\x00\n\\", "{é}".encode()]
+
+
+# -- a slot migration splitting a lock ---------------------------------------------------------
+
+ALIAS = "cluster"
+
+
+@pytest.fixture(scope="module")
+def cluster() -> Iterator[RedisClusterServers]:
+    with RedisClusterServers(primaries=2) as running:
+        yield running
+
+
+@pytest.fixture
+def cluster_caches(cluster: RedisClusterServers, mutex_prefix: str) -> Iterator[None]:
+    with extra_caches({ALIAS: cluster_entry(cluster, mutex_prefix)}):
+        yield
+
+
+def node_ids(cluster: RedisClusterServers) -> dict[int, str]:
+    return {node.port: command(node.port, "CLUSTER", "MYID").decode() for node in cluster.nodes}
+
+
+def command(port: int, *args: Any) -> Any:
+    client = redis.Redis(port=port)
+    try:
+        return client.execute_command(*args)
+    finally:
+        client.close()
+
+
+class SplitSlot:
+    """The slot of one lock, half moved from ``source`` to ``target`` (MIGRATING/IMPORTING)."""
+
+    def __init__(self, cluster: RedisClusterServers, keys: LockKeys, name: str) -> None:
+        from redis.crc import key_slot
+
+        self.slot = key_slot(escape_name(name).encode())
+        ids = node_ids(cluster)
+        owner = command(cluster.nodes[0].port, "CLUSTER", "SLOTS")
+        source_port = next(int(r[2][1]) for r in owner if int(r[0]) <= self.slot <= int(r[1]))
+        self.source = source_port
+        self.target = next(port for port in ids if port != source_port)
+        self.ids = ids
+        self.keys = keys
+
+    def begin(self) -> None:
+        command(self.target, "CLUSTER", "SETSLOT", self.slot, "IMPORTING", self.ids[self.source])
+        command(self.source, "CLUSTER", "SETSLOT", self.slot, "MIGRATING", self.ids[self.target])
+
+    def move(self, *keys: str) -> None:
+        command(self.source, "MIGRATE", "127.0.0.1", self.target, "", 0, 5000, "KEYS", *keys)
+
+    def on(self, port: int) -> set[str]:
+        """Return the keys of the slot stored on ``port`` (asked without redirection)."""
+        found = command(port, "CLUSTER", "GETKEYSINSLOT", self.slot, 100)
+        return {key.decode() for key in found}
+
+    def finish(self) -> None:
+        left = sorted(self.on(self.source))
+        if left:
+            self.move(*left)
+        for port in (self.target, self.source):
+            command(port, "CLUSTER", "SETSLOT", self.slot, "NODE", self.ids[self.target])
+
+
+def test_a_lock_split_by_a_slot_migration_is_refused_never_run_on_part_of_it(
+    cluster: RedisClusterServers, cluster_caches: None
+) -> None:
+    name = f"split:{random.randrange(10**9)}"
+    holder = Mutex(name, using=ALIAS, watchdog=False)
+    assert holder.acquire()
+    first_fence = holder.fence or 0
+    keys = holder.keys
+    split = SplitSlot(cluster, keys, name)
+    split.begin()
+    try:
+        split.move(keys.fence)  # the lock stays on the source, its fence counter moved
+        before = split.on(split.source)
+        assert before == {keys.lock}
+
+        with pytest.raises(LockBackendUnavailable):
+            Mutex(name, using=ALIAS, reentrant=False).acquire(blocking=False)
+        with pytest.raises(LockBackendUnavailable):
+            holder.release()  # kept for a retry, as after any outage
+        with pytest.raises(LockBackendUnavailable):
+            reset(name, using=ALIAS)
+        holder.extend(30)  # touches the lock key only, which is all on the source
+
+        # Nothing ran on part of the lock: no fence, queue or wake-up key was
+        # made on the source beside the moved ones.
+        assert split.on(split.source) == before
+        assert split.on(split.target) == {keys.fence}
+    finally:
+        split.finish()
+
+    holder.release()  # the retry, now that the slot has moved
+    successor = Mutex(name, using=ALIAS)
+    assert successor.acquire(blocking=False)
+    assert (successor.fence or 0) > first_fence
+    successor.release()
+    assert split.on(split.target) == {keys.fence}
