@@ -3,37 +3,54 @@
 The public names are re-exported here; nothing reads settings at import time.
 """
 
-from .decorators import MutexContext, mutex
+from .decorators import MutexContext, mutex, skip_if_locked
 from .exceptions import (
     LockBackendUnavailable,
     LockContended,
     LockError,
     LockLost,
     LockNotOwned,
+    LockNotReplicated,
     StaleFence,
 )
 from .introspection import HeldLock, held_locks, reset, reset_all
 from .lock import DEFAULT, Mutex
 from .owners import Owner
 from .quorum import QuorumMutex
+from .semaphore import (
+    HeldSemaphore,
+    Semaphore,
+    SemaphoreContext,
+    held_semaphores,
+    reset_semaphore,
+    semaphore,
+)
 
 __version__ = "0.1.0"
 
 __all__ = [
     "DEFAULT",
     "HeldLock",
+    "HeldSemaphore",
     "LockBackendUnavailable",
     "LockContended",
     "LockError",
     "LockLost",
     "LockNotOwned",
+    "LockNotReplicated",
     "Mutex",
     "MutexContext",
     "Owner",
     "QuorumMutex",
+    "Semaphore",
+    "SemaphoreContext",
     "StaleFence",
     "held_locks",
+    "held_semaphores",
     "mutex",
     "reset",
     "reset_all",
+    "reset_semaphore",
+    "semaphore",
+    "skip_if_locked",
 ]

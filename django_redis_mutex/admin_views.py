@@ -2,14 +2,19 @@
 
 Nothing here touches the database except the admin history: the list is read
 from Redis on every request through :func:`~django_redis_mutex.introspection.held_locks`,
-and a release is :func:`~django_redis_mutex.introspection.reset`. The views are
+and a release is :func:`~django_redis_mutex.introspection.reset`. The filter
+fields (``host``, ``pid``, ``label``, ``older_than`` query parameters) build a
+:class:`~django_redis_mutex.filters.LockFilter`, as the ``locks`` command's
+options do; a filtered release resets only the selected locks that still match
+when it is confirmed, each with
+:func:`~django_redis_mutex.introspection.reset_listed`. The views are
 reached only through :class:`django_redis_mutex.admin.LockAdmin`, which wraps
 them with ``admin_site.admin_view`` (login, staff, CSRF, no caching).
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from typing import Any, Protocol
 from urllib.parse import urlencode
 
@@ -27,7 +32,16 @@ from redis.exceptions import RedisError
 from .client import lock_aliases
 from .display import duration, terminal_safe
 from .exceptions import LockBackendUnavailable
-from .introspection import HeldLock, ensure_resettable, held_locks, reset
+from .filters import FILTER_FIELDS, FilterError, LockFilter
+from .introspection import (
+    HeldLock,
+    ListedLock,
+    ensure_resettable,
+    held_locks,
+    listed_locks,
+    reset,
+    reset_listed,
+)
 from .keys import validate_name
 from .models import Lock
 
@@ -57,6 +71,10 @@ class _AliasError(Exception):
     """The requested cache alias cannot carry locks; the message says why."""
 
 
+class _BadFilter(Exception):
+    """A filter field of the request cannot be used; the message says which and why."""
+
+
 def _chosen_alias(request: HttpRequest, aliases: list[str]) -> str:
     """Return the alias named by ``?using=`` (or the default one), else raise _AliasError."""
     using = request.GET.get("using") or request.POST.get("using")
@@ -78,6 +96,55 @@ def _chosen_alias(request: HttpRequest, aliases: list[str]) -> str:
             % {"alias": using, "choices": ", ".join(aliases) or _("none")}
         )
     return using
+
+
+class _Filters:
+    """The filter fields of one request: the text typed, the LockFilter, any errors."""
+
+    def __init__(self, data: Mapping[str, str]) -> None:
+        # A blank field is an unset filter here (a form sends every field).
+        self.values = {
+            field: str(data.get(field, "")).strip()
+            for field in FILTER_FIELDS
+            if str(data.get(field, "")).strip()
+        }
+        self.errors: dict[str, str] = {}
+        for field, value in self.values.items():
+            try:
+                LockFilter.from_strings(**{field: value})
+            except FilterError as exc:
+                self.errors[field] = exc.problem
+        self.lock_filter = LockFilter() if self.errors else LockFilter.from_strings(**self.values)
+
+    def error_text(self) -> str:
+        labels = _filter_labels()
+        return _("The filter cannot be used: %(problems)s") % {
+            "problems": " ".join(
+                f"{labels[field]}: {problem}" for field, problem in self.errors.items()
+            )
+        }
+
+    def fields(self) -> list[dict[str, str]]:
+        """Return what the template shows of each filter field, in FILTER_FIELDS order."""
+        labels = _filter_labels()
+        return [
+            {
+                "name": field,
+                "label": labels[field],
+                "value": self.values.get(field, ""),
+                "error": self.errors.get(field, ""),
+            }
+            for field in FILTER_FIELDS
+        ]
+
+
+def _filter_labels() -> dict[str, str]:
+    return {
+        "host": _("Host"),
+        "pid": _("PID"),
+        "label": _("Label"),
+        "older_than": _("Held longer than"),
+    }
 
 
 def _unavailable(using: str, exc: Exception) -> str:
@@ -103,7 +170,9 @@ def _urls(model_admin: LockAdmin) -> tuple[str, str]:
     )
 
 
-def _row(held: HeldLock, release_url: str, using: str) -> dict[str, Any]:
+def _row(
+    held: HeldLock, release_url: str, using: str, filters: Mapping[str, str] | None = None
+) -> dict[str, Any]:
     # Names and labels may come from request data: what a person reads shows
     # control and bidi characters escaped; ``name`` stays exact for the form.
     owner = held.owner
@@ -119,7 +188,7 @@ def _row(held: HeldLock, release_url: str, using: str) -> dict[str, Any]:
         "time_left": duration(held.time_left),
         "fence": held.fence,
         "waiters": held.waiters,
-        "release_url": _url(release_url, using=using, name=held.name),
+        "release_url": _url(release_url, using=using, name=held.name, **(filters or {})),
     }
 
 
@@ -142,12 +211,16 @@ def lock_list(
     changelist_url, release_url = _urls(model_admin)
     query = request.GET.get("q", "").strip()
     paused = request.GET.get("refresh") == "0"
+    filters = _Filters(request.GET)
+    chosen = filters.values
     aliases = lock_aliases()
     context = _base_context(request, model_admin, _("Locks"))
     context.update(
         {
             "aliases": aliases,
             "query": query,
+            "filter_fields": filters.fields(),
+            "filtered": bool(chosen),
             "paused": paused,
             "refresh_seconds": 0 if paused else REFRESH_SECONDS,
             "can_release": model_admin.has_release_permission(request),
@@ -166,13 +239,24 @@ def lock_list(
     else:
         context.update(
             using=using,
-            alias_links=[(a, _url(changelist_url, using=a, q=query)) for a in aliases],
-            pause_url=_url(changelist_url, using=using, q=query, refresh="0"),
-            resume_url=_url(changelist_url, using=using, q=query),
+            alias_links=[(a, _url(changelist_url, using=a, q=query, **chosen)) for a in aliases],
+            pause_url=_url(changelist_url, using=using, q=query, refresh="0", **chosen),
+            resume_url=_url(changelist_url, using=using, q=query, **chosen),
             clear_search_url=_url(changelist_url, using=using),
+            clear_filters_url=_url(
+                changelist_url, using=using, q=query, refresh="0" if paused else ""
+            ),
         )
         try:
+            if filters.errors:
+                # Listing every lock under a filter the operator believes applies
+                # would invite releasing the wrong ones: list nothing.
+                raise _BadFilter(filters.error_text())
             found = held_locks(using)
+        except _BadFilter as exc:
+            # Reloading would only repeat the error while the operator fixes it.
+            context.update(error=str(exc), filter_error=True, refresh_seconds=0)
+            status = 400
         except _REDIS_FAILURES as exc:
             context["error"] = _unavailable(using, exc)
             status = 503
@@ -180,8 +264,12 @@ def lock_list(
             context["error"] = str(exc)
             status = 404
         else:
-            matching = [h for h in found if query.casefold() in h.name.casefold()]
-            context["locks"] = [_row(h, release_url, using) for h in matching]
+            matching = [
+                h
+                for h in found
+                if query.casefold() in h.name.casefold() and filters.lock_filter.matches(h)
+            ]
+            context["locks"] = [_row(h, release_url, using, chosen) for h in matching]
             context["total"] = len(found)
     context.update(extra_context or {})
     request.current_app = model_admin.admin_site.name
@@ -249,10 +337,14 @@ def release_locks(request: HttpRequest, model_admin: LockAdmin) -> HttpResponse:
         return TemplateResponse(
             request, "django_redis_mutex/admin/release.html", context, status=404
         )
-    back = _url(changelist_url, using=using, q=query)
+    filters = _Filters(data)
+    back = _url(changelist_url, using=using, q=query, **filters.values)
     names = _requested_names(data.getlist("name"))
     if not names:
         messages.warning(request, _("Select the locks to release first."))
+        return HttpResponseRedirect(back)
+    if filters.errors:
+        messages.error(request, filters.error_text())
         return HttpResponseRedirect(back)
     try:
         # A member of a quorum would release a quorum lock on one master only,
@@ -262,19 +354,27 @@ def release_locks(request: HttpRequest, model_admin: LockAdmin) -> HttpResponse:
         messages.error(request, str(exc))
         return HttpResponseRedirect(back)
     try:
-        held = {h.name: h for h in held_locks(using) if h.name in names}
+        listed = {item.held.name: item for item in listed_locks(using) if item.held.name in names}
     except _REDIS_FAILURES as exc:
         messages.error(request, _unavailable(using, exc))
         return HttpResponseRedirect(back)
     except ImproperlyConfigured as exc:
         messages.error(request, str(exc))
         return HttpResponseRedirect(back)
+    held = {name: item.held for name, item in listed.items()}
 
+    if request.method == "POST" and filters.values:
+        return _perform_filtered_release(request, names, using, listed, filters.lock_filter, back)
     if request.method == "POST":
         return _perform_release(request, names, using, held, back)
 
-    if not held:
-        messages.warning(request, _("None of the selected locks is held any more."))
+    unmatched = [n for n in names if n in held and not filters.lock_filter.matches(held[n])]
+    chosen = [n for n in names if n in held and n not in unmatched]
+    if not chosen:
+        if unmatched:
+            messages.warning(request, _("None of the selected locks matches the filter."))
+        else:
+            messages.warning(request, _("None of the selected locks is held any more."))
         return HttpResponseRedirect(back)
     context = _base_context(request, model_admin, _("Release locks"))
     context.update(
@@ -284,8 +384,11 @@ def release_locks(request: HttpRequest, model_admin: LockAdmin) -> HttpResponse:
             "query": query,
             "back_url": back,
             "release_url": release_url,
-            "locks": [_row(held[n], release_url, using) for n in names if n in held],
+            "locks": [_row(held[n], release_url, using, filters.values) for n in chosen],
             "gone": [n for n in names if n not in held],
+            "unmatched": [terminal_safe(n) for n in unmatched],
+            "filter_values": filters.values,
+            "filter_description": filters.lock_filter.describe() if filters.values else "",
         }
     )
     request.current_app = model_admin.admin_site.name
@@ -318,6 +421,71 @@ def _perform_release(
                     not_held,
                 )
                 % {"count": not_held},
+            )
+    if released:
+        messages.success(
+            request,
+            ngettext(
+                "Released %(count)d lock.",
+                "Released %(count)d locks.",
+                released,
+            )
+            % {"count": released},
+        )
+    return HttpResponseRedirect(back)
+
+
+def _perform_filtered_release(
+    request: HttpRequest,
+    names: list[str],
+    using: str,
+    listed: dict[str, ListedLock],
+    lock_filter: LockFilter,
+    back: str,
+) -> HttpResponse:
+    """Release the named locks that match ``lock_filter`` now, each only from its listed holder.
+
+    The filter is applied again here, not only on the confirmation page: a lock
+    that passed to a holder outside the filter since then is left alone, and so
+    is one that changes hands between this listing and its reset.
+    """
+    released = not_held = unmatched = 0
+    try:
+        for name in names:
+            item = listed.get(name)
+            if item is None:
+                not_held += 1
+            elif not lock_filter.matches(item.held):
+                unmatched += 1
+            elif reset_listed(item, using):
+                released += 1
+                _log_release(request, name, using, item.held)
+            else:
+                not_held += 1
+    except _REDIS_FAILURES as exc:
+        messages.error(request, _unavailable(using, exc))
+    except ValueError as exc:  # CACHES changed since the confirmation page
+        messages.error(request, str(exc))
+    else:
+        if not_held:
+            messages.warning(
+                request,
+                ngettext(
+                    "%(count)d lock was no longer held.",
+                    "%(count)d locks were no longer held.",
+                    not_held,
+                )
+                % {"count": not_held},
+            )
+        if unmatched:
+            messages.warning(
+                request,
+                ngettext(
+                    "%(count)d lock no longer matched the filter and was left alone.",
+                    "%(count)d locks no longer matched the filter and were left alone.",
+                    unmatched,
+                )
+                % {"count": unmatched},
             )
     if released:
         messages.success(

@@ -8,3 +8,8 @@ class DjangoRedisMutexConfig(AppConfig):
 
     def ready(self) -> None:
         from . import checks  # noqa: F401  (registers the system checks)
+        from .telemetry import update_receivers
+
+        # Connected only when an alias asks for telemetry: otherwise the lock
+        # signals keep no receiver and opentelemetry is never imported.
+        update_receivers()

@@ -1,4 +1,4 @@
-"""System checks: report a bad MUTEX block, a non-Redis lock cache or a broken QUORUM.
+"""System checks: a bad MUTEX block, a non-Redis lock cache, a broken QUORUM, missing telemetry.
 
 Settings mistakes should surface at ``manage.py check`` (and at server start),
 not at the first lock a request takes.
@@ -14,6 +14,7 @@ from django.core.exceptions import ImproperlyConfigured
 
 from .client import backend_kind
 from .conf import parse_settings, validate_prefix
+from .telemetry import available as telemetry_available
 
 
 @register(Tags.caches)
@@ -54,6 +55,15 @@ def check_mutex_settings(app_configs: Any = None, **kwargs: Any) -> list[CheckMe
         except ImproperlyConfigured as exc:
             errors.append(Error(str(exc), id="django_redis_mutex.E002"))
             continue
+        if config.telemetry and not telemetry_available():
+            errors.append(
+                Warning(
+                    f"CACHES[{alias!r}]['MUTEX'] turns TELEMETRY on, but opentelemetry-api "
+                    "is not installed: no spans or metrics are recorded.",
+                    hint="pip install 'django-redis-mutex[telemetry]', or set TELEMETRY to False.",
+                    id="django_redis_mutex.W002",
+                )
+            )
         for member in config.quorum or ():
             member_entry = caches.get(member)
             if member_entry is None:

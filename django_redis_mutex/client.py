@@ -44,7 +44,15 @@ DJANGO_BUILTIN_BACKEND = "django.core.cache.backends.redis.RedisCache"
 REDIS_BACKENDS = (DJANGO_REDIS_BACKEND, DJANGO_BUILTIN_BACKEND)
 
 # Failures of the transport, not of a command: the lock could not be asked.
-UNAVAILABLE = (redis_errors.ConnectionError, redis_errors.TimeoutError, OSError)
+# A Redis Cluster that answers TRYAGAIN (a lock's keys split by a slot
+# migration) until redis-py's retries run out, or that is down, ran nothing.
+UNAVAILABLE = (
+    redis_errors.ConnectionError,
+    redis_errors.TimeoutError,
+    OSError,
+    redis_errors.TryAgainError,
+    redis_errors.ClusterError,
+)
 
 _lock = threading.Lock()
 _sync_clients: dict[str, redis.Redis] = {}
@@ -468,7 +476,8 @@ class backend_errors:  # lower case: it replaced a function of that name
 
     __slots__ = ("alias", "name")
 
-    def __init__(self, name: str, alias: str) -> None:
+    def __init__(self, name: str | None, alias: str) -> None:
+        # None: an operation on every lock of the alias (listing, reset-all).
         self.name = name
         self.alias = alias
 
@@ -477,9 +486,9 @@ class backend_errors:  # lower case: it replaced a function of that name
 
     def __exit__(self, exc_type: Any, exc: BaseException | None, tb: Any) -> Literal[False]:
         if exc is not None and isinstance(exc, UNAVAILABLE):
+            about = "" if self.name is None else f" while handling lock {self.name!r}"
             raise LockBackendUnavailable(
-                f"Redis for cache {self.alias!r} is unavailable while handling lock "
-                f"{self.name!r}: {exc}",
+                f"Redis for cache {self.alias!r} is unavailable{about}: {exc}",
                 name=self.name,
             ) from exc
         return False

@@ -33,6 +33,14 @@ DEFAULTS: dict[str, Any] = {
     # against the TTL, so a master that hangs costs the others nothing.
     "QUORUM_TIMEOUT": 0.05,
     "CLUSTER": False,
+    # OpenTelemetry spans and metrics for this alias's locks (see telemetry.py);
+    # lock names become attributes only when asked, as they may be many or private.
+    "TELEMETRY": False,
+    "TELEMETRY_NAMES": False,
+    # An acquisition succeeds only once this many replicas acknowledged its
+    # write (Redis WAIT), within WAIT_TIMEOUT seconds; 0 turns it off.
+    "WAIT_REPLICAS": 0,
+    "WAIT_TIMEOUT": 1.0,
 }
 
 # A lease longer than a year is a bug in the caller, not a lock.
@@ -56,6 +64,10 @@ class MutexSettings:
     quorum: tuple[str, ...] | None = None
     quorum_timeout: float = 0.05
     cluster: bool = False
+    telemetry: bool = False
+    telemetry_names: bool = False
+    wait_replicas: int = 0
+    wait_timeout: float = 1.0
 
 
 def _is_number(value: object) -> bool:
@@ -152,6 +164,42 @@ def _validate_quorum(alias: str, value: object) -> tuple[str, ...] | None:
     return tuple(aliases)
 
 
+def _validate_telemetry_names(alias: str, value: object, telemetry: bool) -> bool:
+    names = _validate_bool(alias, "TELEMETRY_NAMES", value)
+    if names and not telemetry:
+        raise ImproperlyConfigured(
+            f"CACHES[{alias!r}]['MUTEX']['TELEMETRY_NAMES'] has no effect without "
+            "'TELEMETRY': True."
+        )
+    return names
+
+
+def _validate_wait_replicas(alias: str, merged: dict[str, Any]) -> tuple[int, float]:
+    where = f"CACHES[{alias!r}]['MUTEX']"
+    replicas = merged["WAIT_REPLICAS"]
+    if not isinstance(replicas, int) or isinstance(replicas, bool) or replicas < 0:
+        raise ImproperlyConfigured(
+            f"{where}['WAIT_REPLICAS'] must be a whole number of replicas, 0 or more "
+            f"(0: do not wait), got {replicas!r}."
+        )
+    timeout = _wrap(alias, "WAIT_TIMEOUT", validate_ttl, merged["WAIT_TIMEOUT"])
+    if not replicas:
+        return 0, timeout
+    for key in ("QUORUM", "CLUSTER"):
+        if merged[key]:
+            raise ImproperlyConfigured(
+                f"{where}['WAIT_REPLICAS'] cannot be combined with {key}: replica "
+                "acknowledgement is for one master and its replicas."
+            )
+    if timeout >= merged["TTL"]:
+        raise ImproperlyConfigured(
+            f"{where}['WAIT_TIMEOUT'] must be shorter than the TTL ({merged['TTL']!r} s), "
+            f"got {merged['WAIT_TIMEOUT']!r}: the lease would run out while the replicas "
+            "are awaited."
+        )
+    return replicas, timeout
+
+
 def parse_settings(alias: str, block: object) -> MutexSettings:
     """Validate one ``MUTEX`` block and merge it over the defaults."""
     if block is None:
@@ -168,9 +216,12 @@ def parse_settings(alias: str, block: object) -> MutexSettings:
         )
     merged = {**DEFAULTS, **block}
     max_hold = merged["MAX_HOLD"]
+    telemetry = _validate_bool(alias, "TELEMETRY", merged["TELEMETRY"])
+    ttl = _wrap(alias, "TTL", validate_ttl, merged["TTL"])
+    wait_replicas, wait_timeout = _validate_wait_replicas(alias, {**merged, "TTL": ttl})
     return MutexSettings(
         alias=alias,
-        ttl=_wrap(alias, "TTL", validate_ttl, merged["TTL"]),
+        ttl=ttl,
         timeout=_wrap(alias, "TIMEOUT", validate_timeout, merged["TIMEOUT"]),
         blocking=_validate_bool(alias, "BLOCKING", merged["BLOCKING"]),
         watchdog=_validate_bool(alias, "WATCHDOG", merged["WATCHDOG"]),
@@ -181,6 +232,10 @@ def parse_settings(alias: str, block: object) -> MutexSettings:
         quorum=_validate_quorum(alias, merged["QUORUM"]),
         quorum_timeout=_wrap(alias, "QUORUM_TIMEOUT", validate_ttl, merged["QUORUM_TIMEOUT"]),
         cluster=_validate_bool(alias, "CLUSTER", merged["CLUSTER"]),
+        telemetry=telemetry,
+        telemetry_names=_validate_telemetry_names(alias, merged["TELEMETRY_NAMES"], telemetry),
+        wait_replicas=wait_replicas,
+        wait_timeout=wait_timeout,
     )
 
 

@@ -4,27 +4,32 @@ Each use makes a fresh :class:`Mutex`, so one ``mutex(...)`` object may be
 shared freely (at module level, across threads and tasks), like a
 ``threading.Lock``. As a decorator the name may be a template filled from the
 call's bound arguments (``"order:{order_id}"``, ``"product:{self.pk}"``) or a
-callable receiving the same arguments.
+callable receiving the same arguments. ``skip_if_locked()`` is the decorator
+for work that is dropped, not queued, while someone else holds its lock.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import inspect
+import logging
 import string
 import threading
 from collections.abc import Callable, Sequence
-from typing import Any, Literal, TypeVar, cast
+from typing import Any, Generic, Literal, TypeVar, cast
 
 from .conf import validate_timeout, validate_ttl
+from .exceptions import LockContended
 from .holds import current_owner
 from .keys import validate_label, validate_name
 from .lock import DEFAULT, Mutex
 
-__all__ = ["MutexContext", "mutex"]
+__all__ = ["MutexContext", "mutex", "skip_if_locked"]
 
 F = TypeVar("F", bound=Callable[..., Any])
 _formatter = string.Formatter()
+logger = logging.getLogger("django_redis_mutex")
 
 
 def _placeholders(template: str) -> list[str]:
@@ -43,6 +48,24 @@ def _field_root(field: str) -> str:
     return field
 
 
+@functools.lru_cache(maxsize=1024)
+def _function_signature(func: Callable[..., Any], follow: bool) -> inspect.Signature:
+    return inspect.signature(func, follow_wrapped=follow)
+
+
+def _signature(func: Callable[..., Any], follow: bool) -> inspect.Signature:
+    """Return ``func``'s signature, read once per plain function.
+
+    Reading a signature costs more than the rest of filling a name template;
+    a decorated function's signature never changes. Other callables (the
+    partial ``method_decorator`` builds on every call) are read each time, so
+    the cache never holds per-call objects.
+    """
+    if inspect.isfunction(func):
+        return _function_signature(func, follow)
+    return inspect.signature(func, follow_wrapped=follow)
+
+
 def _bind(
     func: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]
 ) -> inspect.BoundArguments | None:
@@ -54,7 +77,7 @@ def _bind(
     """
     for follow in (True, False):
         try:
-            signature = inspect.signature(func, follow_wrapped=follow)
+            signature = _signature(func, follow)
         except ValueError as exc:
             raise TypeError(
                 f"Cannot read the parameters of {func!r} to fill a lock name template; "
@@ -67,6 +90,71 @@ def _bind(
     return None
 
 
+def _refuse_task_object(obj: object, decorator: str) -> None:
+    """Fail at decoration time when the decorator was put above a task decorator.
+
+    Above ``@app.task`` (Celery) or ``@task`` (django.tasks) it would wrap the
+    task object, so the lock would be taken where the task is sent, not where
+    it runs.
+    """
+    if hasattr(obj, "apply_async") or (hasattr(obj, "enqueue") and hasattr(obj, "func")):
+        raise TypeError(
+            f"{decorator} got the task object {obj!r}: put it below the task decorator "
+            f"(@app.task or @task on top, then @{decorator[:-2]}), so the lock is "
+            "held where the task runs."
+        )
+
+
+def _same_signature(wrapper: F, func: Callable[..., Any]) -> F:
+    """Give ``wrapper`` the signature of ``func``, for tools that do not follow ``__wrapped__``.
+
+    Celery checks the arguments of ``task.delay(...)`` against the task
+    function with ``inspect.getfullargspec``, which reads ``__signature__``
+    but ignores ``__wrapped__``; without this a locked task accepted any
+    arguments when sent and failed only in the worker.
+    """
+    # No readable signature: the wrapper keeps (*args, **kwargs).
+    with contextlib.suppress(TypeError, ValueError):
+        cast(Any, wrapper).__signature__ = inspect.signature(func)
+    return wrapper
+
+
+H = TypeVar("H")
+
+
+class EnteredHandles(Generic[H]):
+    """The handles a reusable context object entered, in order, with their owner.
+
+    One ``mutex(...)`` or ``semaphore(...)`` object may be entered by several
+    threads or tasks at once; each leaves the handle it entered.
+    """
+
+    def __init__(self, context: object) -> None:
+        self._context = context
+        self._entries: list[tuple[object, H]] = []
+        self._lock = threading.Lock()
+
+    def push(self, handle: H) -> None:
+        with self._lock:
+            self._entries.append((current_owner(), handle))
+
+    def pop(self) -> H:
+        """Return the handle the block being left entered.
+
+        Normally the latest one its owner entered; an async generator closed
+        by another task leaves its block from there, so with no entry of the
+        current owner the latest entry of all is the one being left.
+        """
+        owner = current_owner()
+        with self._lock:
+            for i in range(len(self._entries) - 1, -1, -1):
+                if self._entries[i][0] == owner:
+                    return self._entries.pop(i)[1]
+            if not self._entries:
+                raise RuntimeError(f"{self._context!r} was left more often than it was entered.")
+            return self._entries.pop()[1]
+
+
 class MutexContext:
     """What :func:`mutex` returns; see there."""
 
@@ -76,6 +164,9 @@ class MutexContext:
         else:
             validate_name(name)
             self._name_template = name
+        # The template's placeholders, parsed at the first decorated call (a
+        # name used only in a with block is literal, braces and all).
+        self._fields: list[str] | None = None
         self._name = name
         # Fail at decoration time on arguments that can never work; settings
         # are only read when a lock is actually built.
@@ -90,9 +181,7 @@ class MutexContext:
                     "A timeout cannot be given for a non-blocking lock (blocking=False)."
                 )
         self._options = options
-        # The handles entered through this object, in order, with their owner.
-        self._active: list[tuple[object, Mutex]] = []
-        self._active_lock = threading.Lock()
+        self._entered: EnteredHandles[Mutex] = EnteredHandles(self)
 
     def __repr__(self) -> str:
         return f"<mutex {self._name!r}>"
@@ -107,43 +196,23 @@ class MutexContext:
             )
         return self._name_template
 
-    def _push(self, lock: Mutex) -> None:
-        with self._active_lock:
-            self._active.append((current_owner(), lock))
-
-    def _pop(self) -> Mutex:
-        """Return the handle the block being left entered.
-
-        Normally the latest one its owner entered; an async generator closed
-        by another task leaves its block from there, so with no entry of the
-        current owner the latest entry of all is the one being left.
-        """
-        owner = current_owner()
-        with self._active_lock:
-            for i in range(len(self._active) - 1, -1, -1):
-                if self._active[i][0] == owner:
-                    return self._active.pop(i)[1]
-            if not self._active:
-                raise RuntimeError(f"{self!r} was left more often than it was entered.")
-            return self._active.pop()[1]
-
     def __enter__(self) -> Mutex:
         lock = Mutex(self._literal_name(), **self._options)
         lock.__enter__()
-        self._push(lock)
+        self._entered.push(lock)
         return lock
 
     def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> Literal[False]:
-        return self._pop().__exit__(exc_type, exc, tb)
+        return self._entered.pop().__exit__(exc_type, exc, tb)
 
     async def __aenter__(self) -> Mutex:
         lock = Mutex(self._literal_name(), **self._options)
         await lock.__aenter__()
-        self._push(lock)
+        self._entered.push(lock)
         return lock
 
     async def __aexit__(self, exc_type: Any, exc: Any, tb: Any) -> Literal[False]:
-        return await self._pop().__aexit__(exc_type, exc, tb)
+        return await self._entered.pop().__aexit__(exc_type, exc, tb)
 
     # -- decorator: the name is filled from the call -------------------------
 
@@ -160,7 +229,9 @@ class MutexContext:
                 )
             return validate_name(name)
         template = self._name_template
-        fields = _placeholders(template)
+        fields = self._fields
+        if fields is None:
+            fields = self._fields = _placeholders(template)
         if not fields:
             return template.replace("{{", "{").replace("}}", "}")
         bound = _bind(func, args, kwargs)
@@ -197,6 +268,7 @@ class MutexContext:
         return validate_name(name)
 
     def __call__(self, func: F) -> F:
+        _refuse_task_object(func, "mutex()")
         if not callable(func):
             raise TypeError(f"mutex() decorates a callable, not {type(func).__name__}.")
         options = self._options
@@ -215,7 +287,7 @@ class MutexContext:
                     async for item in func(*args, **kwargs):
                         yield item
 
-            return cast(F, async_gen_inner)
+            return cast(F, _same_signature(async_gen_inner, func))
         if inspect.isgeneratorfunction(func):
 
             @functools.wraps(func)
@@ -226,7 +298,7 @@ class MutexContext:
                 with Mutex(name, **options):
                     return (yield from func(*args, **kwargs))
 
-            return cast(F, gen_inner)
+            return cast(F, _same_signature(gen_inner, func))
         if inspect.iscoroutinefunction(func):
 
             @functools.wraps(func)
@@ -237,7 +309,7 @@ class MutexContext:
                 async with Mutex(name, **options):
                     return await func(*args, **kwargs)
 
-            return cast(F, async_inner)
+            return cast(F, _same_signature(async_inner, func))
 
         @functools.wraps(func)
         def inner(*args: Any, **kwargs: Any) -> Any:
@@ -247,7 +319,7 @@ class MutexContext:
             with Mutex(name, **options):
                 return func(*args, **kwargs)
 
-        return cast(F, inner)
+        return cast(F, _same_signature(inner, func))
 
 
 def mutex(
@@ -280,3 +352,93 @@ def mutex(
         reentrant=reentrant,
         label=label,
     )
+
+
+def skip_if_locked(
+    name: str | Callable[..., str],
+    *,
+    using: str | Sequence[str] = "default",
+    ttl: float = DEFAULT,
+    timeout: float = 0,
+    watchdog: bool = DEFAULT,
+    reentrant: bool = True,
+    label: str | None = None,
+) -> Callable[[F], F]:
+    """Run the decorated function under the lock ``name``, or skip the call while it is held.
+
+    For work where a second run at the same time is pointless (refresh a
+    cache, sync one customer): when another owner holds the lock and it does
+    not come free within ``timeout`` seconds (by default, give up at once),
+    return None without calling the function, and log it. Otherwise this is
+    ``@mutex(name, ...)``: the same name templates, lease and watchdog, and
+    the same errors from the body. A LockContended raised *inside* the
+    function, by another lock, is not a skip: it propagates.
+
+    .. versionadded:: 0.1
+    """
+    if timeout is None:
+        raise ValueError(
+            "skip_if_locked() needs a timeout in seconds (0 gives up at once); "
+            "to wait as long as it takes, use mutex()."
+        )
+    context = MutexContext(
+        name,
+        using=using,
+        ttl=ttl,
+        timeout=timeout,
+        blocking=True,
+        watchdog=watchdog,
+        reentrant=reentrant,
+        label=label,
+    )
+
+    def skipped(func: Callable[..., Any], busy: LockContended) -> None:
+        holder = f" by {busy.owner}" if busy.owner else ""
+        logger.info(
+            "Skipped %s: lock %r is held%s.", getattr(func, "__qualname__", func), busy.name, holder
+        )
+
+    def decorate(func: F) -> F:
+        _refuse_task_object(func, "skip_if_locked()")
+        if not callable(func):
+            raise TypeError(f"skip_if_locked() decorates a callable, not {type(func).__name__}.")
+        if inspect.isgeneratorfunction(func) or inspect.isasyncgenfunction(func):
+            raise TypeError(
+                "skip_if_locked() decorates a function that returns, not a generator: "
+                "a skipped generator would look like an empty one. Use mutex()."
+            )
+        options = context._options
+        if inspect.iscoroutinefunction(func):
+
+            @functools.wraps(func)
+            async def async_inner(*args: Any, **kwargs: Any) -> Any:
+                name = context.name_for(func, args, kwargs)
+                if not name:
+                    return await func(*args, **kwargs)
+                async with contextlib.AsyncExitStack() as stack:
+                    try:
+                        await stack.enter_async_context(Mutex(name, **options))
+                    except LockContended as busy:
+                        skipped(func, busy)
+                        return None
+                    return await func(*args, **kwargs)
+
+            return cast(F, _same_signature(async_inner, func))
+
+        @functools.wraps(func)
+        def inner(*args: Any, **kwargs: Any) -> Any:
+            name = context.name_for(func, args, kwargs)
+            if not name:
+                return func(*args, **kwargs)
+            with contextlib.ExitStack() as stack:
+                # Only the acquisition's own LockContended means "skip".
+                try:
+                    stack.enter_context(Mutex(name, **options))
+                except LockContended as busy:
+                    skipped(func, busy)
+                    return None
+                return func(*args, **kwargs)
+
+        return cast(F, _same_signature(inner, func))
+
+    return decorate

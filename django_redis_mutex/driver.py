@@ -16,13 +16,14 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import logging
 import os
 import threading
 import time
-from collections.abc import Generator
+from collections.abc import Generator, Sequence
 from typing import Any, NamedTuple, TypeVar
 
-from redis.exceptions import NoScriptError, ResponseError
+from redis.exceptions import NoScriptError, RedisError, ResponseError
 
 from . import scripts
 from .client import (
@@ -37,6 +38,7 @@ from .client import (
 
 __all__ = [
     "REDIS_TICK",
+    "Acknowledged",
     "AsyncDriver",
     "Each",
     "Fanned",
@@ -49,14 +51,37 @@ __all__ = [
 
 T = TypeVar("T")
 
+logger = logging.getLogger("django_redis_mutex")
+
 
 class Script(NamedTuple):
-    """Run one Lua script on one Redis; the answer is ``(sent, reply)``."""
+    """Run one Lua script on one Redis; the answer is ``(sent, reply)``.
+
+    A ``best_effort`` script (a wake-up that a later check-in makes up for)
+    that fails is logged and answered with ``(sent, None)``: the operation it
+    follows has already succeeded in Redis, and its caller must learn that.
+    """
 
     alias: str
     script: scripts.LuaScript
-    keys: list[str]
-    args: list[Any]
+    keys: Sequence[str]
+    args: Sequence[Any]
+    best_effort: bool = False
+
+
+class Acknowledged(NamedTuple):
+    """Run one Lua script, then WAIT up to ``timeout`` s for ``replicas`` to acknowledge it.
+
+    Both go out on one connection in one round trip (WAIT counts that
+    connection's last write). The answer is ``(sent, reply, acknowledged)``.
+    """
+
+    alias: str
+    script: scripts.LuaScript
+    keys: Sequence[str]
+    args: Sequence[Any]
+    replicas: int
+    timeout: float
 
 
 class Each(NamedTuple):
@@ -95,7 +120,7 @@ class Sleep(NamedTuple):
     seconds: float
 
 
-Op = Script | Each | Pop | Sleep
+Op = Script | Each | Pop | Sleep | Acknowledged
 Steps = Generator[Op, Any, T]
 
 # Answers that mean a master could not be asked (not that it refused).
@@ -122,6 +147,12 @@ def _do(op: Op) -> Any:
     if isinstance(op, Script):
         client = get_client(op.alias)
         sent = time.monotonic()
+        if op.best_effort:
+            try:
+                return sent, scripts.run(client, op.script, op.keys, op.args)
+            except (RedisError, OSError) as exc:
+                _gave_up(op, exc)
+                return sent, None
         return sent, scripts.run(client, op.script, op.keys, op.args)
     if isinstance(op, Pop):
         client = get_blocking_client(op.alias, op.longest)
@@ -129,11 +160,44 @@ def _do(op: Op) -> Any:
         if wait is None:
             time.sleep(op.wait)
             return None
-        return client.blpop([op.key], timeout=wait)
+        try:
+            return client.blpop([op.key], timeout=wait)
+        except ResponseError as exc:
+            if not _unblocked(exc):
+                raise
+            return None
     if isinstance(op, Each):
         return _each(op)
+    if isinstance(op, Acknowledged):
+        # Reads outlast the WAIT even under a short SOCKET_TIMEOUT.
+        client = get_blocking_client(op.alias, op.timeout)
+        sent = time.monotonic()
+        reply, acknowledged = scripts.run_acknowledged(
+            client, op.script, op.keys, op.args, op.replicas, op.timeout
+        )
+        return sent, reply, acknowledged
     time.sleep(op.seconds)
     return None
+
+
+def _gave_up(op: Script, exc: BaseException) -> None:
+    logger.warning(
+        "Could not run the %s script on %r (a later check-in makes up for it): %s",
+        op.script.name,
+        op.alias,
+        exc,
+    )
+
+
+def _unblocked(exc: ResponseError) -> bool:
+    """Return True when Redis ended a blocking pop without popping anything.
+
+    A server that stops being a master (CLUSTER FAILOVER, a Sentinel failover,
+    REPLICAOF) answers the clients blocked on it with ``UNBLOCKED``, as does
+    CLIENT UNBLOCK ... ERROR. The wait is over, not the acquisition: the
+    waiter checks in, and its script goes to whichever node holds the lock now.
+    """
+    return str(exc).startswith("UNBLOCKED")
 
 
 # Redis ends a blocking pop only on its timer tick (hz 10: every 100 ms).
@@ -282,10 +346,16 @@ class AsyncDriver:
     async def _do(self, op: Op) -> Any:
         if isinstance(op, Script):
             self.in_script = True
+            sent = time.monotonic()
             try:
                 client = await get_async_client(op.alias)
                 sent = time.monotonic()
                 return sent, await scripts.arun(client, op.script, op.keys, op.args)
+            except (RedisError, OSError) as exc:
+                if not op.best_effort:
+                    raise
+                _gave_up(op, exc)
+                return sent, None
             finally:
                 self.in_script = False
         if isinstance(op, Pop):
@@ -296,11 +366,29 @@ class AsyncDriver:
             if wait is None:
                 await asyncio.sleep(op.wait)
                 return None
-            return await client.blpop([op.key], timeout=wait)
+            try:
+                return await client.blpop([op.key], timeout=wait)
+            except ResponseError as exc:
+                if not _unblocked(exc):
+                    raise
+                return None
         if isinstance(op, Each):
             self.in_script = True
             try:
                 return await _aeach(op)
+            finally:
+                self.in_script = False
+        if isinstance(op, Acknowledged):
+            self.in_script = True
+            try:
+                client = await get_async_client(
+                    op.alias, read_timeout=blocking_read_timeout(op.alias, op.timeout)
+                )
+                sent = time.monotonic()
+                reply, acknowledged = await scripts.arun_acknowledged(
+                    client, op.script, op.keys, op.args, op.replicas, op.timeout
+                )
+                return sent, reply, acknowledged
             finally:
                 self.in_script = False
         await asyncio.sleep(op.seconds)

@@ -17,6 +17,7 @@ __all__ = [
     "LockError",
     "LockLost",
     "LockNotOwned",
+    "LockNotReplicated",
     "StaleFence",
 ]
 
@@ -67,6 +68,30 @@ class LockNotOwned(LockError):
 
 class LockBackendUnavailable(LockError):
     """Redis could not be reached, or did not answer within the socket timeout."""
+
+
+class LockNotReplicated(LockBackendUnavailable):
+    """Too few replicas acknowledged an acquisition within ``WAIT_TIMEOUT``; it was given back.
+
+    ``acknowledged`` replicas confirmed the lock's write, ``required`` were
+    asked for (``WAIT_REPLICAS``) on cache ``alias``. The lock was released
+    (handed on to the next waiter, as a release does) before this was raised.
+
+    .. versionadded:: 0.1
+    """
+
+    def __init__(
+        self, name: str, *, alias: str, acknowledged: int, required: int, timeout: float
+    ) -> None:
+        super().__init__(
+            f"Lock {name!r} on cache {alias!r} was acknowledged by {acknowledged} "
+            f"replica(s) within {timeout:g}s, {required} required (WAIT_REPLICAS); "
+            "it was given back.",
+            name=name,
+        )
+        self.alias = alias
+        self.acknowledged = acknowledged
+        self.required = required
 
 
 class StaleFence(LockError):

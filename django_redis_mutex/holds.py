@@ -53,12 +53,25 @@ def _running_task() -> asyncio.Task[Any] | None:
     return asyncio.current_task()
 
 
+# This process's id, read once (getpid is a system call on every lock cycle
+# otherwise) and again in a forked child.
+_pid = os.getpid()
+
+
+def _after_fork_in_child() -> None:
+    global _pid
+    _pid = os.getpid()
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
+
+
 def current_owner() -> object:
     """Return the identity of the code running now: its asyncio task, or its thread."""
     task = _running_task()
     if task is not None:
         return task
-    return (os.getpid(), threading.get_ident())
+    return (_pid, threading.get_ident())
 
 
 @cache
@@ -78,7 +91,7 @@ def owner_metadata(label: str | None) -> str:
     """Return the JSON owner record stored with a lock: host, pid, thread or task, label."""
     task = _running_task()
     where = task.get_name() if task is not None else threading.current_thread().name
-    return _owner_json(os.getpid(), where, label)
+    return _owner_json(_pid, where, label)
 
 
 @dataclass(slots=True)
@@ -129,6 +142,9 @@ class Hold:
     # When the lease runs out by this process's clock unless renewed: the
     # quorum-th latest confirmed end, minus drift.
     expires_at: float = -math.inf
+    # The waiter that was next in line when this hold was granted, if any: the
+    # release declares its wake-up list, so it can wake it in the same script.
+    successor: str | None = None
 
     def __post_init__(self) -> None:
         if not self.targets:

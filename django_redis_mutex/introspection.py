@@ -19,21 +19,32 @@ from __future__ import annotations
 import time
 import warnings
 from collections.abc import Iterator, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from datetime import datetime, timezone
 from typing import Any
 
 from redis.exceptions import ResponseError
 
-from . import scripts
 from .client import UNAVAILABLE, backend_errors, get_client, namespace
 from .conf import get_settings, validate_aliases
+from .driver import run_steps
 from .exceptions import LockBackendUnavailable
+from .handoff import release_steps, reset_steps
 from .holds import decode
-from .keys import LockKeys, lock_pattern, validate_name
+from .keys import LockKeys, lock_pattern, unescape_name, validate_name
 from .owners import Owner, parse_owner
 
-__all__ = ["HeldLock", "ensure_resettable", "held_locks", "quorum_members", "reset", "reset_all"]
+__all__ = [
+    "HeldLock",
+    "ListedLock",
+    "ensure_resettable",
+    "held_locks",
+    "listed_locks",
+    "quorum_members",
+    "reset",
+    "reset_all",
+    "reset_listed",
+]
 
 SCAN_BATCH = 500
 
@@ -85,6 +96,22 @@ class HeldLock:
         data["acquired_at"] = self.acquired_at.isoformat()
         data["ttl"] = self.time_left
         return data
+
+
+@dataclass(frozen=True)
+class ListedLock:
+    """A held lock as it was listed, with the token of the acquisition that held it.
+
+    :func:`reset_listed` releases the lock only while that acquisition still
+    holds it, so a lock released and taken again since it was listed (perhaps
+    by a holder the operator never saw) is left to its new holder. The token
+    is a holder's secret: it is kept out of ``repr`` and never shown.
+
+    .. versionadded:: 0.1
+    """
+
+    held: HeldLock
+    token: str = field(repr=False)
 
 
 # -- which Redis a ``using`` means ------------------------------------------------
@@ -164,7 +191,7 @@ def _unreachable(
     members: tuple[str, ...],
     errors: dict[str, BaseException],
     why: str,
-    name: str = "*",
+    name: str | None = None,
 ) -> LockBackendUnavailable:
     """Return the error of a quorum operation that too many masters did not answer."""
     detail = "; ".join(f"{alias}: {exc}" for alias, exc in errors.items())
@@ -190,12 +217,22 @@ def _quorum(members: tuple[str, ...]) -> int:
 
 
 def _lock_keys(client: Any, alias: str) -> Iterator[list[str]]:
-    """Yield batches of lock keys of ``alias``'s namespace."""
+    """Yield batches of lock keys of ``alias``'s namespace, each key once.
+
+    A cluster client scans every node it believes to be a primary; just after a
+    failover that can include the demoted one, whose replica copy of every key
+    would otherwise be listed (and reset) a second time.
+    """
     batch: list[str] = []
-    for key in client.scan_iter(
+    seen: set[str] = set()
+    for raw in client.scan_iter(
         match=lock_pattern(namespace(alias)), count=SCAN_BATCH, _type="hash"
     ):
-        batch.append(decode(key))
+        key = decode(raw)
+        if key in seen:
+            continue
+        seen.add(key)
+        batch.append(key)
         if len(batch) >= SCAN_BATCH:
             yield batch
             batch = []
@@ -203,12 +240,15 @@ def _lock_keys(client: Any, alias: str) -> Iterator[list[str]]:
         yield batch
 
 
-def _parse(fields: list[Any], pttl: int, waiters: int) -> tuple[str, HeldLock] | None:
+def _parse(name: str, fields: list[Any], pttl: int, waiters: int) -> tuple[str, HeldLock] | None:
     """Return (token, lock) read from one lock hash, or None if it is gone."""
-    token, fence, owner, acquired, name = (decode(v) for v in fields)
+    token, fence, owner, acquired = (decode(v) for v in fields)
     if not token or pttl == -2:
         return None  # released between SCAN and read
-    ms = int(acquired) if acquired.isdigit() else 0
+    # The fence is the server clock in µs when the lock was taken, unless the
+    # counter ran ahead of the clock: then ACQUIRE stored the time itself.
+    clock = int(fence) // 1000 if fence.isdigit() else 0
+    ms = int(acquired) if acquired.isdigit() else clock
     return token, HeldLock(
         name=name,
         owner=parse_owner(owner) or Owner(),
@@ -230,13 +270,14 @@ def _read(client: Any, alias: str) -> Iterator[tuple[str, str, HeldLock]]:
         pipe = client.pipeline(transaction=False)
         for key in batch:
             keys = LockKeys.for_lock_key(key)
-            pipe.hmget(key, ["token", "fence", "owner", "acquired", "name"])
+            pipe.hmget(key, ["token", "fence", "owner", "acquired"])
             pipe.pttl(key)
             pipe.zcard(keys.queue)
         replies = pipe.execute()
         for index, key in enumerate(batch):
             i = 3 * index
-            parsed = _parse(replies[i], replies[i + 1], replies[i + 2])
+            name = unescape_name(key[skip + 1 : -1])  # the hash tag is the escaped name
+            parsed = _parse(name, replies[i], replies[i + 1], replies[i + 2])
             if parsed is not None:
                 yield key[skip:], parsed[0], parsed[1]
 
@@ -255,7 +296,7 @@ def _merge(copies: list[HeldLock], quorum: int) -> HeldLock:
     )
 
 
-def _held_on_quorum(label: str, members: tuple[str, ...]) -> list[HeldLock]:
+def _listed_on_quorum(label: str, members: tuple[str, ...]) -> list[ListedLock]:
     quorum = _quorum(members)
     clients = {alias: get_client(alias) for alias in members}
     for alias in members:
@@ -280,12 +321,12 @@ def _held_on_quorum(label: str, members: tuple[str, ...]) -> list[HeldLock]:
             "too few answered to tell which locks a majority holds.",
         )
     found = [
-        _merge(copies, quorum)
+        ListedLock(_merge(copies, quorum), token)
         for tokens in by_tag.values()
-        for copies in tokens.values()
+        for token, copies in tokens.items()
         if len(copies) >= quorum
     ]
-    found.sort(key=lambda h: h.name)
+    found.sort(key=lambda listed: listed.held.name)
     return found
 
 
@@ -297,13 +338,24 @@ def held_locks(using: str | Sequence[str] = "default") -> list[HeldLock]:
     not listed); with too few masters reachable to see a majority, raise
     LockBackendUnavailable naming them.
     """
+    return [listed.held for listed in listed_locks(using)]
+
+
+def listed_locks(using: str | Sequence[str] = "default") -> list[ListedLock]:
+    """Return the locks :func:`held_locks` returns, each with the token it is held under.
+
+    For a reset of a selection an operator saw (:func:`reset_listed`): what
+    changed hands after this listing is then left alone.
+
+    .. versionadded:: 0.1
+    """
     alias, members = _resolve(using)
     if members is not None:
-        return _held_on_quorum(alias, members)
+        return _listed_on_quorum(alias, members)
     client = get_client(alias)
-    with backend_errors("*", alias):
-        found = [held for _tag, _token, held in _read(client, alias)]
-    found.sort(key=lambda h: h.name)
+    with backend_errors(None, alias):
+        found = [ListedLock(held, token) for _tag, token, held in _read(client, alias)]
+    found.sort(key=lambda listed: listed.held.name)
     return found
 
 
@@ -319,7 +371,7 @@ def _reset_on_members(
         if alias in errors:
             continue
         try:
-            done = scripts.run(get_client(alias), scripts.RESET, keys_of[alias].script_keys, [])
+            done = run_steps(reset_steps(alias, keys_of[alias]))
         except _MEMBER_FAILURES as exc:
             errors[alias] = exc
             continue
@@ -350,8 +402,7 @@ def reset(name: str, using: str | Sequence[str] = "default") -> bool:
         ensure_resettable(alias)
         keys = LockKeys.for_name(namespace(alias), name)
         with backend_errors(name, alias):
-            done = scripts.run(get_client(alias), scripts.RESET, keys.script_keys, [])
-        return bool(done)
+            return run_steps(reset_steps(alias, keys))
     keys_of = {member: LockKeys.for_name(namespace(member), name) for member in members}
     errors: dict[str, BaseException] = {}
     held = _reset_on_members(members, keys_of, errors)
@@ -395,9 +446,54 @@ def reset_all(using: str | Sequence[str] = "default") -> int:
     ensure_resettable(alias)
     client = get_client(alias)
     count = 0
-    with backend_errors("*", alias):
+    with backend_errors(None, alias):
         for batch in _lock_keys(client, alias):
             for key in batch:
                 keys = LockKeys.for_lock_key(key)
-                count += scripts.run(client, scripts.RESET, keys.script_keys, [])
+                count += run_steps(reset_steps(alias, keys))
     return count
+
+
+def _release_as(alias: str, keys: LockKeys, token: str) -> bool:
+    """Release the lock at ``keys`` as the holder of ``token`` would; return True if it held it.
+
+    The holder's own release script, so the compare on the token and the
+    hand-off to the first waiter follow its contract (see scripts.RELEASE).
+    """
+    return run_steps(release_steps(alias, keys, token))
+
+
+def reset_listed(listed: ListedLock, using: str | Sequence[str] = "default") -> bool:
+    """Force-release ``listed``'s lock if the listed acquisition still holds it; return True if so.
+
+    Compare-and-reset: the release script removes the lock only while it holds
+    ``listed.token``, so a lock that was released, expired or changed hands
+    since :func:`listed_locks` read it is left to its new holder (False). As
+    with :func:`reset`, the first waiter is handed the lock and woken.
+
+    For a quorum the release runs on every master and returns True if any of
+    them still held that token; masters that cannot be reached are handled as
+    by :func:`reset`, and a member alias of a configured quorum raises
+    ValueError (see :func:`ensure_resettable`).
+
+    .. versionadded:: 0.1
+    """
+    name = listed.held.name
+    validate_name(name)
+    alias, members = _resolve(using)
+    if members is None:
+        ensure_resettable(alias)
+        keys = LockKeys.for_name(namespace(alias), name)
+        with backend_errors(name, alias):
+            return _release_as(alias, keys, listed.token)
+    errors: dict[str, BaseException] = {}
+    released = False
+    for member in members:
+        keys = LockKeys.for_name(namespace(member), name)
+        try:
+            released = _release_as(member, keys, listed.token) or released
+        except _MEMBER_FAILURES as exc:
+            errors[member] = exc
+    if len(errors) >= _quorum(members):
+        raise _unreachable(f"reset lock {name!r}", alias, members, errors, _MAY_STILL_HOLD, name)
+    return released

@@ -4,10 +4,29 @@ Every key of one lock carries the same Redis Cluster hash tag, ``{<name>}``,
 so each script touches a single slot. Characters that would change the tag
 (``{`` and ``}``) are percent-escaped, so a user's name can never move a lock
 to another slot or out of its namespace.
+
+The layout of one lock, written here and nowhere else (``<lock>`` is
+``<namespace>:{<escaped name>}``)::
+
+    <lock>               hash: token, fence, owner (JSON); ``queued`` once someone
+                         waits behind this holder; ``acquired`` (ms) only when the
+                         fence is not the server clock in µs (see scripts.py)
+    <lock>:fence         string: the last fencing token handed out for this name
+    <lock>:queue         zset: waiting tokens, scored by arrival (FIFO order)
+    <lock>:leases        zset: waiting tokens, scored by the ms their wait lease ends
+    <lock>:waiting       hash: waiting token -> "<ttl ms>|<owner JSON>"
+    <lock>:wake:<token>  list: a waiter's wake-up, "<fence>|<successor token>"
+
+Every script is given, in KEYS, every key it may touch (the first five in that
+order, then the one wake-up list it may push to or clear): during a Redis
+Cluster slot migration a key the script did not declare could already have
+moved, and the script would run on part of the lock's state instead of being
+redirected with the rest of it.
 """
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from functools import lru_cache
 
@@ -17,6 +36,7 @@ __all__ = [
     "LockKeys",
     "escape_name",
     "lock_pattern",
+    "unescape_name",
     "validate_label",
     "validate_name",
 ]
@@ -28,6 +48,8 @@ MAX_NAME_LENGTH = 1024
 MAX_LABEL_LENGTH = 256
 
 _ESCAPES = str.maketrans({"%": "%25", "{": "%7B", "}": "%7D"})
+_UNESCAPES = {"%25": "%", "%7B": "{", "%7D": "}"}
+_ESCAPED = re.compile("%25|%7B|%7D")
 _GLOB_SPECIAL = str.maketrans({c: "\\" + c for c in "*?[]\\"})
 
 
@@ -73,6 +95,11 @@ def escape_name(name: str) -> str:
     return name.translate(_ESCAPES)
 
 
+def unescape_name(escaped: str) -> str:
+    """Return the name :func:`escape_name` turned into ``escaped`` (one pass, so exact)."""
+    return _ESCAPED.sub(lambda match: _UNESCAPES[match.group()], escaped)
+
+
 def glob_escape(text: str) -> str:
     """Escape ``text`` for a literal match in a Redis SCAN MATCH pattern."""
     return text.translate(_GLOB_SPECIAL)
@@ -92,7 +119,7 @@ def _keys_for(namespace: str, name: str) -> LockKeys:
 
 @dataclass(frozen=True)
 class LockKeys:
-    """The keys of one lock, in the order every script takes them."""
+    """The keys of one lock (see the layout above)."""
 
     lock: str
     fence: str
@@ -100,6 +127,9 @@ class LockKeys:
     leases: str
     waiting: str
     wake_prefix: str
+    # lock, fence, queue, leases, waiting: the KEYS every queue-aware script
+    # starts with, built once per name (hot names are looked up on every request).
+    script_keys: tuple[str, str, str, str, str]
 
     @classmethod
     def for_name(cls, namespace: str, name: str) -> LockKeys:
@@ -107,16 +137,28 @@ class LockKeys:
 
     @classmethod
     def for_lock_key(cls, lock_key: str) -> LockKeys:
+        fence = f"{lock_key}:fence"
+        queue = f"{lock_key}:queue"
+        leases = f"{lock_key}:leases"
+        waiting = f"{lock_key}:waiting"
         return cls(
             lock=lock_key,
-            fence=f"{lock_key}:fence",
-            queue=f"{lock_key}:queue",
-            leases=f"{lock_key}:leases",
-            waiting=f"{lock_key}:waiting",
+            fence=fence,
+            queue=queue,
+            leases=leases,
+            waiting=waiting,
             wake_prefix=f"{lock_key}:wake:",
+            script_keys=(lock_key, fence, queue, leases, waiting),
         )
 
-    @property
-    def script_keys(self) -> list[str]:
-        """The KEYS every lock script takes: the lock key (the scripts derive the rest)."""
-        return [self.lock]
+    def wake(self, token: str) -> str:
+        """Return the wake-up list of the waiter holding ``token``."""
+        return self.wake_prefix + token
+
+    def with_wake(self, token: str) -> tuple[str, ...]:
+        """Return :attr:`script_keys` plus the wake-up list of ``token`` (a script's KEYS[6])."""
+        return (*self.script_keys, self.wake_prefix + token)
+
+    def name_of(self, namespace: str) -> str:
+        """Return the lock name these keys belong to in ``namespace`` (read from the key)."""
+        return unescape_name(self.lock[len(namespace) + 2 : -1])

@@ -32,8 +32,15 @@ from redis import exceptions as redis_errors
 from . import scripts, signals
 from .client import backend_errors, get_async_client, get_client, namespace
 from .conf import MutexSettings, get_settings, validate_timeout, validate_ttl
-from .driver import REDIS_TICK, AsyncDriver, Pop, Script, Sleep, Steps, run_steps
-from .exceptions import LockBackendUnavailable, LockContended, LockLost, LockNotOwned
+from .driver import REDIS_TICK, Acknowledged, AsyncDriver, Pop, Script, Sleep, Steps, run_steps
+from .exceptions import (
+    LockBackendUnavailable,
+    LockContended,
+    LockLost,
+    LockNotOwned,
+    LockNotReplicated,
+)
+from .handoff import handed_to, parse_wakeup, wake_steps
 from .holds import (
     Hold,
     Scope,
@@ -72,10 +79,15 @@ _CONFIRM_SHARE = 0.25
 
 
 class Grant(NamedTuple):
-    """What an acquisition got: the fence, and per Redis the lease as (sent, seconds)."""
+    """What an acquisition got: the fence, per Redis the lease as (sent, seconds), the successor.
+
+    ``successor`` is the waiter that was first in line behind us when we got
+    the lock (None if nobody was): the release expects to hand over to it.
+    """
 
     fence: int
     leases: dict[str, tuple[float, float]]
+    successor: str | None = None
 
 
 @dataclass(eq=False, slots=True)
@@ -214,30 +226,107 @@ class Mutex:
     def _acquire_args(self, token: str, join: bool) -> list[Any]:
         if self._owner_json is None:
             self._owner_json = owner_metadata(self.label)
-        return [token, lease_ms(self.lease), self._owner_json, self.name, 1 if join else 0]
+        return [token, lease_ms(self.lease), self._owner_json, 1 if join else 0]
 
-    def _grant(self, fence: Any, sent: float, lease: float) -> Grant:
-        return Grant(int(fence), {self.using: (sent, lease)})
+    def _grant(self, fence: Any, sent: float, lease: float, successor: str | None = None) -> Grant:
+        return Grant(int(fence), {self.using: (sent, lease)}, successor)
 
     def _granted_by(self, reply: list[Any], sent: float) -> Grant:
-        # {1, fence}: granted now with our lease; {1, fence, pttl}: handed over
-        # earlier with what is left of a shorter lease.
-        lease = self.lease if len(reply) < 3 else max(int(reply[2]), 1) / 1000
-        return self._grant(reply[1], sent, lease)
+        # {1, fence, pttl, successor}: with pttl ms left (-1: our lease; else
+        # handed over earlier, with what is left of a shorter lease) and the
+        # next in line.
+        pttl = int(reply[2])
+        lease = self.lease if pttl < 0 else max(pttl, 1) / 1000
+        return self._grant(reply[1], sent, lease, decode(reply[3]) or None)
 
     def _acquire_steps(
         self, token: str, blocking: bool, deadline: float | None, started: float
     ) -> Steps[Grant | None]:
         """Acquire: try once; when blocking, queue and wait to be handed the lock."""
+        if self.settings.wait_replicas:
+            return (yield from self._replicated_acquire_steps(token, blocking, deadline, started))
+        keys = self.keys.with_wake(token)
         sent, reply = yield Script(
-            self.using, scripts.ACQUIRE, self.keys.script_keys, self._acquire_args(token, blocking)
+            self.using, scripts.ACQUIRE, keys, self._acquire_args(token, blocking)
         )
+        if not isinstance(reply, list):  # the fence alone: ours, nobody in line
+            return self._grant(reply, sent, self.lease)
         if reply[0] == 1:
             return self._granted_by(reply, sent)
+        yield from self._wake(reply[3])
         self._refused(reply, started)
         if not blocking:
             return None
         return (yield from self._wait_steps(token, deadline, reply, started, sent))
+
+    def _replicated_acquire_steps(
+        self, token: str, blocking: bool, deadline: float | None, started: float
+    ) -> Steps[Grant | None]:
+        """Acquire as :meth:`_acquire_steps` does, then have WAIT_REPLICAS replicas acknowledge it.
+
+        WAIT counts the replication offset of its own connection's last write.
+        The first try is sent with its WAIT in one round trip, which covers a
+        lock this script wrote. A lock handed over by someone else's release
+        (or found granted at a later check-in) was not our connection's last
+        write: we confirm it with a write of our own (EXTEND to the full lease)
+        and WAIT after that, which covers the hand-off written before it.
+        """
+        replicas, timeout = self.settings.wait_replicas, self.settings.wait_timeout
+        sent, reply, acknowledged = yield Acknowledged(
+            self.using,
+            scripts.ACQUIRE,
+            self.keys.with_wake(token),
+            self._acquire_args(token, blocking),
+            replicas,
+            timeout,
+        )
+        if not isinstance(reply, list):  # the fence alone: written by this very script
+            grant = self._grant(reply, sent, self.lease)
+            return (yield from self._acknowledged(token, grant, acknowledged))
+        if reply[0] == 1 and int(reply[2]) < 0:  # granted by this very script
+            grant = self._granted_by(reply, sent)
+            return (yield from self._acknowledged(token, grant, acknowledged))
+        if reply[0] != 1:
+            yield from self._wake(reply[3])
+            self._refused(reply, started)
+            if not blocking:
+                return None
+        refused_sent = sent
+        while True:
+            if reply[0] == 1:
+                handed: Grant | None = self._granted_by(reply, sent)
+            else:
+                handed = yield from self._wait_steps(token, deadline, reply, started, refused_sent)
+            if handed is None:
+                return None
+            sent, extended, acknowledged = yield Acknowledged(
+                self.using,
+                scripts.EXTEND,
+                [self.keys.lock],
+                [token, lease_ms(self.lease)],
+                replicas,
+                timeout,
+            )
+            if extended:
+                grant = Grant(handed.fence, {self.using: (sent, self.lease)}, handed.successor)
+                return (yield from self._acknowledged(token, grant, acknowledged))
+            # The hand-over lapsed before we confirmed it (a long pause): back
+            # in line, checking in at once.
+            reply, refused_sent = [0, 1, "", ""], sent
+
+    def _acknowledged(self, token: str, grant: Grant, acknowledged: int) -> Steps[Grant]:
+        """Return ``grant`` if enough replicas acknowledged it; else release it and raise."""
+        required = self.settings.wait_replicas
+        if acknowledged >= required:
+            return grant
+        yield from self._release_call_steps(token, grant.successor)
+        raise LockNotReplicated(
+            self.name,
+            alias=self.using,
+            acknowledged=acknowledged,
+            required=required,
+            timeout=self.settings.wait_timeout,
+        )
 
     def _wait_steps(
         self,
@@ -253,18 +342,16 @@ class Mutex:
         ours was sent: a hand-over pushed to our wake-up list happened after
         it, so its lease is counted from then.
         """
-        wake_key = self.keys.wake_prefix + token
+        keys = self.keys.with_wake(token)
+        wake_key = keys[-1]
         handoff = min(self.lease, HANDOFF_LEASE)
         # Check in often enough that a hand-over's lease, counted from the last
         # check-in, is still mostly ahead of us when we are woken.
         longest = min(WAIT_LEASE / 2, handoff / 2)
-        keys = self.keys.script_keys
         while True:
             now = time.monotonic()
             if deadline is not None and now >= deadline:
-                sent, final = yield Script(self.using, scripts.CANCEL, keys, [token, self.name])
-                # {1, fence, pttl}: it had been handed to us just before.
-                return self._granted_by(final, sent) if final[0] == 1 else None
+                return (yield from self._cancel_steps(token))
             wait, local = _wait_slice(deadline, reply[1], now, longest)
             if local:
                 yield Sleep(wait)
@@ -273,28 +360,63 @@ class Mutex:
                 if popped:
                     left = refused_sent + handoff - time.monotonic()
                     if left > handoff * _CONFIRM_SHARE:
-                        return self._grant(popped[1], refused_sent, handoff)
+                        woken = parse_wakeup(popped[1])
+                        return self._grant(woken.fence, refused_sent, handoff, woken.successor)
                     # Woken late (a paused process or loop): most of the hand-over
                     # lease may be spent; the check-in below asks Redis.
             sent, reply = yield Script(
                 self.using, scripts.ACQUIRE, keys, self._acquire_args(token, True)
             )
+            if not isinstance(reply, list):
+                return self._grant(reply, sent, self.lease)
             if reply[0] == 1:
                 return self._granted_by(reply, sent)
+            yield from self._wake(reply[3])
             refused_sent = sent
             self._refused(reply, started)
 
+    def _wake(self, handed: Any) -> Steps[None]:
+        """Wake the waiter a script handed the lock to, if its answer ``handed`` names one.
+
+        ACQUIRE does so when it finds the lock expired with live waiters,
+        CANCEL when it leaves a free lock, RELEASE when the first in line is
+        not the successor the holder expected.
+        """
+        head = handed_to(handed)
+        if head is not None:
+            yield from wake_steps(self.using, self.keys, head)
+
+    def _cancel_steps(self, token: str) -> Steps[Grant | None]:
+        """Leave the queue; return the grant if the lock had been handed to us just before."""
+        sent, final = yield Script(self.using, scripts.CANCEL, self.keys.with_wake(token), [token])
+        if final[0] == 1:
+            return self._granted_by(final, sent)
+        if len(final) > 1:  # {0, token}: the lock was free and went to the next in line
+            yield from self._wake(final[1])
+        return None
+
     def _abandon_steps(self, token: str) -> Steps[None]:
         """Leave the queue after an interrupted wait, releasing the lock if it was handed over."""
-        keys = self.keys.script_keys
-        _sent, final = yield Script(self.using, scripts.CANCEL, keys, [token, self.name])
-        if final[0] == 1:
-            yield Script(self.using, scripts.RELEASE, keys, [token])
+        grant = yield from self._cancel_steps(token)
+        if grant is not None:
+            yield from self._release_call_steps(token, grant.successor)
 
     def _release_steps(self, hold: Hold) -> Steps[bool]:
-        _sent, released = yield Script(
-            self.using, scripts.RELEASE, self.keys.script_keys, [hold.token]
-        )
+        return self._release_call_steps(hold.token, hold.successor)
+
+    def _release_call_steps(self, token: str, successor: str | None) -> Steps[bool]:
+        """Release ``token``'s lock, waking whoever it is handed to; return True if it was ours.
+
+        The expected successor's wake-up list is declared, so the common
+        hand-over wakes it in the same script; anyone else gets WAKE after.
+        """
+        keys: tuple[str, ...] = self.keys.script_keys
+        args = [token]
+        if successor is not None:
+            keys, args = self.keys.with_wake(successor), [token, successor]
+        _sent, released = yield Script(self.using, scripts.RELEASE, keys, args)
+        if type(released) is not int:  # a token: the waiter it went to, not woken yet
+            yield from self._wake(released)
         return bool(released)
 
     def _extend_steps(self, hold: Hold, ttl: float) -> Steps[bool]:
@@ -355,6 +477,15 @@ class Mutex:
             hold.depth += 1
             self._levels.append(hold)
 
+    def _acquisition_steps(
+        self, token: str, blocking: bool, deadline: float | None, started: float
+    ) -> Steps[Grant | None]:
+        """Return the steps of a new acquisition, telling ``lock_waiting`` receivers if any."""
+        steps = self._acquire_steps(token, blocking, deadline, started)
+        if blocking and signals.lock_waiting.receivers:
+            return _told_waits(steps, self.using, self.name)
+        return steps
+
     def _start(self, timeout: float | None) -> tuple[str, float, float | None]:
         started = time.monotonic()
         # The owner record is taken in the caller's own thread or task (the
@@ -397,6 +528,7 @@ class Mutex:
             drift=drift,
             max_hold=self.settings.max_hold,
             raise_on_lost=self.settings.raise_on_lost,
+            successor=grant.successor,
         )
         for alias, (sent, lease) in grant.leases.items():
             hold.confirm(alias, sent, lease)
@@ -437,9 +569,9 @@ class Mutex:
                     self._nest_into(hold)
                     return hold
         token, started, deadline = self._start(timeout)
-        with backend_errors(self.name, self.using):
+        with _acquisition_errors(self.name, self.using, started):
             try:
-                grant = run_steps(self._acquire_steps(token, blocking, deadline, started))
+                grant = run_steps(self._acquisition_steps(token, blocking, deadline, started))
             except (redis_errors.TimeoutError, LockBackendUnavailable):
                 # Redis is not answering: a cancel would wait out another
                 # socket timeout. Our queue slot lapses after WAIT_LEASE.
@@ -481,7 +613,7 @@ class Mutex:
                     self._nest_into(hold)
                     return hold
         token, started, deadline = self._start(timeout)
-        with backend_errors(self.name, self.using):
+        with _acquisition_errors(self.name, self.using, started):
             grant = await self._acquire_in_child(token, blocking, deadline, started)
         if grant is None:
             self._note_contention(started)
@@ -510,7 +642,7 @@ class Mutex:
         """
         driver = AsyncDriver()
         child = asyncio.ensure_future(
-            driver.run(self._acquire_steps(token, blocking, deadline, started))
+            driver.run(self._acquisition_steps(token, blocking, deadline, started))
         )
         try:
             await asyncio.wait({child})
@@ -541,12 +673,14 @@ class Mutex:
 
     # -- release -------------------------------------------------------------
 
-    def _forget(self, hold: Hold) -> None:
+    def _forget(self, hold: Hold, *, unwatched: bool = False) -> None:
         """End ``hold`` locally: no renewal, no level of this handle, nothing nests into it."""
-        get_watchdog().unwatch(hold)
+        if not unwatched:
+            get_watchdog().unwatch(hold)
         hold.active = False
-        with self._state:
-            self._levels = [level for level in self._levels if level is not hold]
+        if self._levels:  # a release has usually dropped the last level already
+            with self._state:
+                self._levels = [level for level in self._levels if level is not hold]
 
     def _give_back(self, hold: Hold) -> None:
         """Release a hold the caller will never see (best effort; its lease ends anyway)."""
@@ -591,8 +725,8 @@ class Mutex:
             return hold.depth > 0
 
     def _finish(self, hold: Hold, released: bool) -> None:
-        """Forget the hold after Redis answered the release."""
-        self._forget(hold)
+        """Forget the hold after Redis answered the release (the watchdog had let go before)."""
+        self._forget(hold, unwatched=True)
         held = time.monotonic() - hold.acquired_at
         if released:
             if signals.lock_released.receivers:
@@ -915,6 +1049,71 @@ def _declare_lost(hold: Hold, reason: str) -> None:
     ):
         if isinstance(error, Exception):
             logger.error("lock_lost receiver %r failed: %r", receiver, error)
+
+
+class _acquisition_errors(backend_errors):
+    """``backend_errors`` around a new acquisition; also tells ``lock_unavailable`` receivers."""
+
+    __slots__ = ("started",)
+
+    def __init__(self, name: str, alias: str, started: float) -> None:
+        # No super().__init__(): this sits on every acquisition.
+        self.name = name
+        self.alias = alias
+        self.started = started
+
+    def __exit__(self, exc_type: Any, exc: BaseException | None, tb: Any) -> Literal[False]:
+        if exc is None or not signals.lock_unavailable.receivers:
+            return super().__exit__(exc_type, exc, tb)
+        try:
+            super().__exit__(exc_type, exc, tb)
+        except LockBackendUnavailable as error:
+            self._tell(error)
+            raise
+        if isinstance(exc, LockBackendUnavailable):  # raised by the steps (a quorum lock)
+            self._tell(exc)
+        return False
+
+    def _tell(self, error: LockBackendUnavailable) -> None:
+        wait = time.monotonic() - self.started
+        for receiver, failure in signals.lock_unavailable.send_robust(
+            sender=self.alias, name=self.name, wait=wait, error=error
+        ):
+            if isinstance(failure, Exception):
+                logger.error("lock_unavailable receiver %r failed: %r", receiver, failure)
+
+
+def _told_waits(steps: Steps[Grant | None], alias: str, name: str) -> Steps[Grant | None]:
+    """Pass ``steps`` through, sending ``lock_waiting`` when they first block and when they end.
+
+    An acquisition waits from its first blocking step (a pop on its wake-up
+    list, or a sleep) to its end however it ends: granted, timed out,
+    cancelled, or Redis failing. The drivers always close the steps, so the
+    end is told even when they stop early.
+    """
+    waiting = False
+    try:
+        op = next(steps)
+        while True:
+            if not waiting and isinstance(op, (Pop, Sleep)):
+                waiting = True
+                _tell_waiting(alias, name, True)
+            op = steps.send((yield op))
+    except StopIteration as done:
+        return done.value  # type: ignore[no-any-return]
+    finally:
+        steps.close()
+        if waiting:
+            _tell_waiting(alias, name, False)
+
+
+def _tell_waiting(alias: str, name: str, waiting: bool) -> None:
+    # Robust: a failing gauge must not cost a waiter its place or its lock.
+    for receiver, error in signals.lock_waiting.send_robust(
+        sender=alias, name=name, waiting=waiting
+    ):
+        if isinstance(error, Exception):
+            logger.error("lock_waiting receiver %r failed: %r", receiver, error)
 
 
 def _wants_quorum(using: object) -> bool:

@@ -26,14 +26,15 @@ from __future__ import annotations
 import asyncio
 import random
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
+from django.core.exceptions import ImproperlyConfigured
 from redis.exceptions import ResponseError
 
 from . import scripts
 from .client import UNAVAILABLE, get_client, namespace
-from .conf import validate_aliases
+from .conf import get_settings, validate_aliases
 from .driver import Each, Fanned, Sleep, Steps
 from .exceptions import LockBackendUnavailable
 from .holds import Hold, decode
@@ -52,8 +53,6 @@ RETRY_DELAY = (0.005, 0.05)
 def _quorum_aliases(using: str | Sequence[str]) -> tuple[str, ...]:
     if isinstance(using, (list, tuple)):
         return validate_aliases(using)
-    from .conf import get_settings
-
     quorum = get_settings(using).quorum
     assert quorum is not None  # Mutex.__new__ only sends such aliases here
     return quorum
@@ -72,6 +71,13 @@ class QuorumMutex(Mutex):
         aliases = _quorum_aliases(using)
         super().__init__(name, using=using if isinstance(using, str) else aliases[0], **options)
         self.aliases = aliases
+        for alias in aliases:
+            if get_settings(alias).wait_replicas:
+                raise ImproperlyConfigured(
+                    f"Quorum lock {self.name!r} cannot use cache {alias!r}: its MUTEX "
+                    "block sets WAIT_REPLICAS, which is for one master and its replicas, "
+                    "not for a quorum of masters."
+                )
         self.quorum = len(aliases) // 2 + 1
         self.member_keys = {
             alias: LockKeys.for_name(namespace(alias), self.name) for alias in aliases
@@ -100,14 +106,15 @@ class QuorumMutex(Mutex):
         """Return True when the masters that failed leave no majority."""
         return len(errors) > len(self.aliases) - self.quorum
 
-    def _each(self, script: scripts.LuaScript, which: str, args: list[Any]) -> Each:
-        """Return the step running ``script`` on every master with its ``which`` keys."""
-        calls = []
-        for alias in self.aliases:
-            keys = self.member_keys[alias]
-            chosen = keys.script_keys if which == "script" else [getattr(keys, which)]
-            calls.append((alias, tuple(chosen)))
-        return Each(script, tuple(calls), args, self.master_timeout)
+    def _each(
+        self,
+        script: scripts.LuaScript,
+        keys_of: Callable[[LockKeys], tuple[str, ...]],
+        args: list[Any],
+    ) -> Each:
+        """Return the step running ``script`` on every master with the keys ``keys_of`` gives."""
+        calls = tuple((alias, keys_of(self.member_keys[alias])) for alias in self.aliases)
+        return Each(script, calls, args, self.master_timeout)
 
     # -- acquire ----------------------------------------------------------------
 
@@ -116,7 +123,9 @@ class QuorumMutex(Mutex):
         granted: dict[str, int] = {}
         pttl, owner = 0, None
         for alias, reply in fanned.replies.items():
-            if reply[0] == 1:
+            if not isinstance(reply, list):  # the fence alone: granted
+                granted[alias] = int(reply)
+            elif reply[0] == 1:
                 granted[alias] = int(reply[1])
             else:
                 pttl = max(pttl, int(reply[1]))
@@ -144,9 +153,15 @@ class QuorumMutex(Mutex):
     def _acquire_steps(
         self, token: str, blocking: bool, deadline: float | None, started: float
     ) -> Steps[Grant | None]:
-        release_all = self._each(scripts.RELEASE, "script", [token])
+        # Quorum waiters never queue, so a release never hands over to one; a
+        # plain lock of the same name queued on one master is woken by its own
+        # check-in.
+        release_all = self._each(scripts.RELEASE, _queue_keys, [token])
+        acquire = self._each(
+            scripts.ACQUIRE, lambda keys: keys.with_wake(token), self._acquire_args(token, False)
+        )
         while True:
-            fanned = yield self._each(scripts.ACQUIRE, "script", self._acquire_args(token, False))
+            fanned = yield acquire
             grant = self._judge(fanned, started)
             if grant is None:
                 # Undo on every master: one whose reply was lost may have granted it.
@@ -154,7 +169,7 @@ class QuorumMutex(Mutex):
                 if self._too_many_down(fanned.errors):
                     raise self._unavailable(fanned.errors, "acquire")
             else:
-                floor = yield self._each(scripts.RAISE_FENCE, "fence", [grant.fence])
+                floor = yield self._each(scripts.RAISE_FENCE, _fence_key, [grant.fence])
                 if self._too_many_down(floor.errors):
                     # Without the floor on a majority, a later majority could
                     # hand out a smaller fence: give the lock back instead.
@@ -166,12 +181,12 @@ class QuorumMutex(Mutex):
             yield Sleep(self._retry_delay(deadline))
 
     def _abandon_steps(self, token: str) -> Steps[None]:
-        yield self._each(scripts.RELEASE, "script", [token])
+        yield self._each(scripts.RELEASE, _queue_keys, [token])
 
     # -- release, extend, confirm ------------------------------------------------
 
     def _release_steps(self, hold: Hold) -> Steps[bool]:
-        fanned = yield self._each(scripts.RELEASE, "script", [hold.token])
+        fanned = yield self._each(scripts.RELEASE, _queue_keys, [hold.token])
         if len(fanned.errors) >= self.quorum:
             # Too few masters answered to tell; the leases end by themselves.
             raise self._unavailable(fanned.errors, "release")
@@ -181,7 +196,7 @@ class QuorumMutex(Mutex):
         return released + len(fanned.errors) >= self.quorum
 
     def _extend_steps(self, hold: Hold, ttl: float) -> Steps[bool]:
-        fanned = yield self._each(scripts.EXTEND, "lock", [hold.token, scripts.lease_ms(ttl)])
+        fanned = yield self._each(scripts.EXTEND, _lock_key, [hold.token, scripts.lease_ms(ttl)])
         for alias, reply in fanned.replies.items():
             if reply:
                 hold.confirm(alias, fanned.sent, ttl)
@@ -268,6 +283,18 @@ class QuorumMutex(Mutex):
     async def aowner(self) -> Owner | None:
         """Async twin of :meth:`owner`."""
         return await asyncio.to_thread(self.owner)
+
+
+def _queue_keys(keys: LockKeys) -> tuple[str, ...]:
+    return keys.script_keys
+
+
+def _lock_key(keys: LockKeys) -> tuple[str, ...]:
+    return (keys.lock,)
+
+
+def _fence_key(keys: LockKeys) -> tuple[str, ...]:
+    return (keys.fence,)
 
 
 Mutex.quorum_class = QuorumMutex

@@ -1,34 +1,51 @@
 """The Lua scripts that make every lock operation one atomic round trip.
 
-Every script of a lock takes one key, the lock itself, and derives the names
-of the lock's other keys from it; all of them carry the same Redis Cluster
-hash tag (see :mod:`django_redis_mutex.keys`), so they live in one slot::
+The keys of one lock and their layout are described in
+:mod:`django_redis_mutex.keys` (:class:`~django_redis_mutex.keys.LockKeys`).
+Every script is given every key it may touch, in KEYS, and touches no other:
+on a Redis Cluster whose slot is being migrated, a script whose keys are not
+all on one node is then redirected (ASK, TRYAGAIN) instead of running on part
+of the lock's state. The scripts that know the queue take, in this order::
 
-    KEYS[1]            lock      hash: token, fence, owner (JSON), acquired (ms), name
-    KEYS[1]:fence      string: the last fencing token handed out for this name
-    KEYS[1]:queue      zset: waiting tokens, scored by arrival (FIFO order)
-    KEYS[1]:leases     zset: waiting tokens, scored by the ms their wait lease ends
-    KEYS[1]:waiting    hash: waiting token -> "<ttl ms>|<owner JSON>"
+    KEYS[1] lock   KEYS[2] fence   KEYS[3] queue   KEYS[4] leases   KEYS[5] waiting
+    KEYS[6] one wake-up list (the caller's own, or the waiter it expects to wake)
 
-Passing one key instead of five halves what each call sends (measured: the
-argument packing was the client's largest cost per cycle).
+Hand-off. A waiter blocks on its own list ``<lock>:wake:<token>``. A release
+hands the lock to the first live waiter inside the script, so a releasing
+process cannot barge back in ahead of the queue. The script can push that
+waiter's wake-up only when its list is among the KEYS: the releasing holder
+declares the list of the successor it expects, which it learned when it was
+handed the lock (a wake-up carries the fence and the token of the waiter next
+in line at that moment). When the first in line is someone else (the holder
+got the lock uncontended, or its successor left or died), the script hands
+the lock over all the same and returns the new holder's token, and the client
+sends :data:`WAKE` for it as a second step. A wake-up lost with a client that
+died between those steps costs the waiter at most one check-in: its next
+ACQUIRE finds the lock already granted to it.
 
-A waiter is woken by a push onto its own list ``<lock key>:wake:<token>``
-(same hash tag, so same slot; the scripts derive its name from KEYS[1]). The
-lock is handed over *inside* the release script to the first live waiter, so a
-releasing process cannot barge back in ahead of the queue and a woken waiter
-never has to race for the lock.
+A wake-up is pushed only while the lock is the waiter's (inside the granting
+script, or by WAKE after checking), and a waiter that takes a new place in line
+has its list cleared, so a wake-up it pops was pushed after its last refused
+check-in: the hand-over's lease counted from that check-in never outlasts the
+real one.
 
 Scripts are loaded once per server: callers send EVALSHA and fall back to
-SCRIPT LOAD only when the server answers NOSCRIPT (see :func:`run`).
+SCRIPT LOAD only when the server answers NOSCRIPT (see :func:`run`). On a
+plain redis-py client the EVALSHA is packed here and written to a pooled
+connection directly (see :func:`_direct_pool` for when): redis-py's generic
+command path costs more than the rest of a lock cycle's own work.
 """
 
 from __future__ import annotations
 
 import hashlib
+import types
+from collections.abc import Sequence
 from dataclasses import dataclass, field
+from functools import lru_cache
 from typing import Any
 
+import redis
 from redis.exceptions import NoScriptError
 
 __all__ = [
@@ -41,10 +58,13 @@ __all__ = [
     "RELEASE",
     "RESET",
     "WAIT_LEASE",
+    "WAKE",
     "LuaScript",
     "arun",
+    "arun_acknowledged",
     "lease_ms",
     "run",
+    "run_acknowledged",
 ]
 
 # A waiter's place in line lasts this long unless it checks in again, so a
@@ -59,78 +79,101 @@ HANDOFF_LEASE = 2 * WAIT_LEASE
 # expires the next fence starts from the server clock, which is still larger.
 FENCE_RETENTION = 24 * 3600.0
 
-# Helpers shared by the scripts that can hand the lock to a waiter.
-_COMMON = (
-    (
-        f"local WAIT_LEASE = {int(WAIT_LEASE * 1000)}\n"
-        f"local FENCE_RETENTION = {int(FENCE_RETENTION * 1000)}\n"
-        f"local HANDOFF_LEASE = {int(HANDOFF_LEASE * 1000)}\n"
-        "local WAKE_PREFIX = KEYS[1] .. ':wake:'\n"
-        "local FENCE_KEY = KEYS[1] .. ':fence'\n"
-        "local QUEUE = KEYS[1] .. ':queue'\n"
-        "local LEASES = KEYS[1] .. ':leases'\n"
-        "local WAITING = KEYS[1] .. ':waiting'\n"
-    )
-    + r"""
-local function now_us()
-  local t = redis.call('TIME')
-  return tonumber(t[1]) * 1000000 + tonumber(t[2])
-end
+_CONSTANTS = (
+    f"local WAIT_LEASE = {int(WAIT_LEASE * 1000)}\n"
+    f"local FENCE_RETENTION = {int(FENCE_RETENTION * 1000)}\n"
+    f"local HANDOFF_LEASE = {int(HANDOFF_LEASE * 1000)}\n"
+)
 
+# The server clock in µs, as text (the fence it becomes) and as a number (a
+# double holds it exactly); the text is built by hand, string.format costs more.
+_CLOCK = r"""
+local clock = redis.call('TIME')
+local now_text = clock[1] .. string.sub('000000', #clock[2] + 1) .. clock[2]
+local now = tonumber(now_text)
+"""
+
+# Granting: needed on the uncontended path, so defined before it.
+_GRANT = r"""
 -- Fencing token: strictly greater than the previous one for this name, and
--- never below the server clock in microseconds, so it keeps growing even after
--- the counter key itself expired (a name unused for FENCE retention).
-local function next_fence(now)
-  local text = string.format('%.0f', now)
-  local last = redis.call('SET', FENCE_KEY, text, 'PX', FENCE_RETENTION, 'GET')
+-- never below the server clock in microseconds, so it keeps growing after the
+-- counter itself expired (a name unused for FENCE_RETENTION) and after a
+-- failover to a replica that had not seen the last one. The second value says
+-- whether the fence is the clock (then it also tells when the lock was taken).
+local function next_fence()
+  local last = redis.call('SET', KEYS[2], now_text, 'PX', FENCE_RETENTION, 'GET')
   if last and tonumber(last) >= now then
-    -- Same microsecond, or the server clock stepped back: count on from the last.
-    text = string.format('%.0f', tonumber(last) + 1)
-    redis.call('SET', FENCE_KEY, text, 'PX', FENCE_RETENTION)
+    -- Same microsecond, or the clock is behind the counter: count on from the last.
+    local text = string.format('%.0f', tonumber(last) + 1)
+    redis.call('SET', KEYS[2], text, 'PX', FENCE_RETENTION)
+    return text, false
   end
-  return text
+  return now_text, true
 end
 
-local function grant(token, ttl, owner, name, now)
-  local fence = next_fence(now)
-  redis.call('HSET', KEYS[1], 'token', token, 'fence', fence, 'owner', owner,
-             'acquired', string.format('%.0f', math.floor(now / 1000)), 'name', name)
+-- Write the lock for token. 'acquired' (ms) is stored only when the fence
+-- cannot tell it; 'queued' when someone already waits, so a release looks.
+local function grant(token, ttl, owner, queued)
+  local fence, on_clock = next_fence()
+  if on_clock then
+    redis.call('HSET', KEYS[1], 'token', token, 'fence', fence, 'owner', owner)
+  else
+    redis.call('HSET', KEYS[1], 'token', token, 'fence', fence, 'owner', owner,
+               'acquired', string.sub(now_text, 1, -4))
+  end
+  if queued then redis.call('HSET', KEYS[1], 'queued', '1') end
   redis.call('PEXPIRE', KEYS[1], ttl)
   return fence
 end
+"""
 
+# The queue: only the contended paths reach these definitions.
+_QUEUE = r"""
 local function forget_waiter(token)
-  redis.call('ZREM', QUEUE, token)
-  redis.call('ZREM', LEASES, token)
-  redis.call('HDEL', WAITING, token)
+  redis.call('ZREM', KEYS[3], token)
+  redis.call('ZREM', KEYS[4], token)
+  redis.call('HDEL', KEYS[5], token)
 end
 
 local function prune_dead_waiters(now_ms)
-  local dead = redis.call('ZRANGEBYSCORE', LEASES, '-inf', now_ms)
+  local dead = redis.call('ZRANGEBYSCORE', KEYS[4], '-inf', now_ms)
   for _, token in ipairs(dead) do forget_waiter(token) end
 end
 
--- Give the free lock to the first live waiter and wake it with its fence.
-local function hand_off(name, now)
-  prune_dead_waiters(math.floor(now / 1000))
-  local head = redis.call('ZRANGE', QUEUE, 0, 0)[1]
-  if not head then return false end
-  local info = redis.call('HGET', WAITING, head) or ''
+local function first_in_line()
+  return redis.call('ZRANGE', KEYS[3], 0, 0)[1]
+end
+
+-- Give the free lock to waiter head (first in line, alive) with the hand-off
+-- lease. Wake it here when its list is the one declared as KEYS[6] (expected
+-- is the token it belongs to) and return true; else return head's token for
+-- the caller to send WAKE.
+local function hand_to(head, expected)
+  local info = redis.call('HGET', KEYS[5], head) or ''
   forget_waiter(head)
-  local sep = string.find(info, '|', 1, true)
   local ttl, owner = 30000, '{}'
+  local sep = string.find(info, '|', 1, true)
   if sep then
     ttl = tonumber(string.sub(info, 1, sep - 1))
     owner = string.sub(info, sep + 1)
   end
-  local fence = grant(head, math.min(ttl, HANDOFF_LEASE), owner, name, now)
-  local wake = WAKE_PREFIX .. head
-  redis.call('RPUSH', wake, fence)
-  redis.call('PEXPIRE', wake, WAIT_LEASE)
-  return head
+  local after = first_in_line()
+  local fence = grant(head, math.min(ttl, HANDOFF_LEASE), owner, after)
+  if head ~= expected then return head end
+  redis.call('RPUSH', KEYS[6], fence .. '|' .. (after or ''))
+  redis.call('PEXPIRE', KEYS[6], WAIT_LEASE)
+  return true
+end
+
+-- Give the free lock to the first live waiter: false when there is none, else
+-- as hand_to.
+local function hand_off(expected)
+  prune_dead_waiters(math.floor(now / 1000))
+  local head = first_in_line()
+  if not head then return false end
+  return hand_to(head, expected)
 end
 """
-)
 
 
 @dataclass(frozen=True)
@@ -140,74 +183,107 @@ class LuaScript:
     name: str
     source: str
     sha: str = field(init=False)
+    # "EVALSHA <sha>" in the Redis protocol, the start of every call.
+    packed_head: bytes = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "sha", hashlib.sha1(self.source.encode()).hexdigest())
+        sha = hashlib.sha1(self.source.encode()).hexdigest()
+        object.__setattr__(self, "sha", sha)
+        object.__setattr__(self, "packed_head", b"$7\r\nEVALSHA\r\n$40\r\n%s\r\n" % sha.encode())
 
 
 # ACQUIRE
-# KEYS[1] the lock (the others are derived from it, as above).
-# ARGV[1] token, ARGV[2] ttl ms, ARGV[3] owner JSON, ARGV[4] lock name,
-# ARGV[5] 1 to join the queue when contended (blocking) or 0 (try once).
-# Returns {1, fence} when the caller now holds the lock, {1, fence, pttl ms}
-# when it had been handed over already (with the shorter hand-off lease), else
-# {0, pttl ms of the holder, holder owner JSON}.
+# KEYS[1..5] lock, fence, queue, leases, waiting; KEYS[6] the caller's wake-up list.
+# ARGV[1] token, ARGV[2] ttl ms, ARGV[3] owner JSON, ARGV[4] 1 to join the queue
+# when contended (blocking) or 0 (try once).
+# Returns the fence (a string, not a table: cheaper) when the caller now holds
+# the lock with its ttl and nobody waits; {1, fence, pttl ms, successor} when
+# it holds it with pttl ms left (-1: its ttl), successor being the token first
+# in line behind it or ''; else {0, pttl ms of the holder, holder owner JSON,
+# token}: token is '' or a waiter the script just handed the expired lock to,
+# which the caller must WAKE.
 ACQUIRE = LuaScript(
     "acquire",
-    _COMMON
+    _CONSTANTS
+    + _CLOCK
+    + _GRANT
     + r"""
-local token, ttl, owner, name = ARGV[1], tonumber(ARGV[2]), ARGV[3], ARGV[4]
-local now = now_us()
-if redis.call('EXISTS', KEYS[1], QUEUE) == 0 then
+local token, owner = ARGV[1], ARGV[3]
+if redis.call('EXISTS', KEYS[1], KEYS[3]) == 0 then
   -- Free and nobody waiting: the common, uncontended case, in one lookup.
-  return {1, grant(token, ttl, owner, name, now)}
+  return grant(token, ARGV[2], owner, false)
 end
+local ttl = tonumber(ARGV[2])
+"""
+    + _QUEUE
+    + r"""
 local holder = redis.call('HGET', KEYS[1], 'token')
 if holder == token then
-  forget_waiter(token)
-  redis.call('DEL', WAKE_PREFIX .. token)
-  return {1, redis.call('HGET', KEYS[1], 'fence'), redis.call('PTTL', KEYS[1])}
+  -- Handed to us between two check-ins: our wake-up is no longer needed.
+  redis.call('DEL', KEYS[6])
+  return {1, redis.call('HGET', KEYS[1], 'fence'), redis.call('PTTL', KEYS[1]),
+          first_in_line() or ''}
 end
 local now_ms = math.floor(now / 1000)
+local woken = ''
 if not holder then
   prune_dead_waiters(now_ms)
-  local head = redis.call('ZRANGE', QUEUE, 0, 0)[1]
+  local head = first_in_line()
   if (not head) or head == token then
     forget_waiter(token)
-    return {1, grant(token, ttl, owner, name, now)}
+    redis.call('DEL', KEYS[6])
+    local after = first_in_line()
+    return {1, grant(token, ttl, owner, after), -1, after or ''}
   end
   -- The lock expired (no release woke anyone) and a live waiter is first in
-  -- line: give it the lock now instead of letting it sleep out its timer.
-  hand_off(name, now)
+  -- line: give it the lock now instead of letting it sleep out its timer. Its
+  -- wake-up list is not ours to touch: the caller wakes it.
+  woken = hand_to(head, nil)
 end
-if ARGV[5] == '1' then
-  redis.call('ZADD', QUEUE, 'NX', now, token)  -- NX: keep our place in line
-  redis.call('ZADD', LEASES, now_ms + WAIT_LEASE, token)
-  redis.call('HSET', WAITING, token, ARGV[2] .. '|' .. owner)
+if ARGV[4] == '1' then
+  if redis.call('ZADD', KEYS[3], 'NX', now_text, token) == 1 then
+    -- A new place in line: a wake-up left from an earlier hand-over that lapsed
+    -- must not be taken for a new one.
+    redis.call('DEL', KEYS[6])
+  end
+  redis.call('ZADD', KEYS[4], now_ms + WAIT_LEASE, token)
+  redis.call('HSET', KEYS[5], token, ARGV[2] .. '|' .. owner)
   -- Waiters check in every half lease, so the queue outlives its last waiter
   -- by at most one lease.
-  redis.call('PEXPIRE', QUEUE, WAIT_LEASE)
-  redis.call('PEXPIRE', LEASES, WAIT_LEASE)
-  redis.call('PEXPIRE', WAITING, WAIT_LEASE)
+  redis.call('PEXPIRE', KEYS[3], WAIT_LEASE)
+  redis.call('PEXPIRE', KEYS[4], WAIT_LEASE)
+  redis.call('PEXPIRE', KEYS[5], WAIT_LEASE)
+  -- The lock is held here (by someone else, or by the waiter just handed it).
+  redis.call('HSET', KEYS[1], 'queued', '1')
 end
-return {0, redis.call('PTTL', KEYS[1]), redis.call('HGET', KEYS[1], 'owner') or ''}
+return {0, redis.call('PTTL', KEYS[1]), redis.call('HGET', KEYS[1], 'owner') or '', woken}
 """,
 )
 
 # RELEASE
-# KEYS[1] the lock (the others are derived from it, as above).  ARGV[1] token.
+# KEYS[1..5] lock, fence, queue, leases, waiting; KEYS[6] (optional) the wake-up
+# list of the waiter the holder expects to be next.
+# ARGV[1] token, ARGV[2] (with KEYS[6]) that waiter's token.
 # Returns 0 when the caller did not hold the lock (nothing is touched),
-# 1 when released with nobody waiting, 2 when handed to the next waiter.
+# 1 when released with nobody waiting, 2 when handed to the expected waiter and
+# woken, else the token of the waiter it was handed to, which the caller must WAKE.
 RELEASE = LuaScript(
     "release",
-    _COMMON
-    + r"""
-local found = redis.call('HMGET', KEYS[1], 'token', 'name')
+    r"""
+local found = redis.call('HMGET', KEYS[1], 'token', 'queued')
 if found[1] ~= ARGV[1] then return 0 end
 redis.call('DEL', KEYS[1])
-if redis.call('EXISTS', QUEUE) == 0 then return 1 end
-if hand_off(found[2] or '', now_us()) then return 2 end
-return 1
+if not found[2] then return 1 end
+"""
+    + _CONSTANTS
+    + _CLOCK
+    + _GRANT
+    + _QUEUE
+    + r"""
+local handed = hand_off(ARGV[2])
+if handed == false then return 1 end
+if handed == true then return 2 end
+return handed
 """,
 )
 
@@ -225,37 +301,69 @@ return 1
 )
 
 # CANCEL: a waiter gives up (timeout, interrupt, cancellation).
-# KEYS[1] the lock (the others are derived from it, as above).  ARGV[1] token, ARGV[2] lock name.
-# Returns {1, fence, pttl ms} when the lock had already been handed to the
-# caller (it now holds it and must use or release it), else {0}. If the lock is free and
-# others wait, the next one is handed the lock so nobody sleeps on a free lock.
+# KEYS[1..5] lock, fence, queue, leases, waiting; KEYS[6] the caller's wake-up list.
+# ARGV[1] token.
+# Returns {1, fence, pttl ms, successor} when the lock had already been handed
+# to the caller (it now holds it and must use or release it), else {0} or
+# {0, token}: if the lock is free and others wait, the first is handed the lock
+# so nobody sleeps on a free lock, and its token returned for the caller to WAKE.
 CANCEL = LuaScript(
     "cancel",
-    _COMMON
+    _CONSTANTS
+    + _CLOCK
+    + _GRANT
+    + _QUEUE
     + r"""
 local token = ARGV[1]
 forget_waiter(token)
-redis.call('DEL', WAKE_PREFIX .. token)
-if redis.call('HGET', KEYS[1], 'token') == token then
-  return {1, redis.call('HGET', KEYS[1], 'fence'), redis.call('PTTL', KEYS[1])}
+redis.call('DEL', KEYS[6])
+local holder = redis.call('HGET', KEYS[1], 'token')
+if holder == token then
+  return {1, redis.call('HGET', KEYS[1], 'fence'), redis.call('PTTL', KEYS[1]),
+          first_in_line() or ''}
 end
-if redis.call('EXISTS', KEYS[1]) == 0 then hand_off(ARGV[2], now_us()) end
+if not holder then
+  local handed = hand_off(nil)
+  if handed then return {0, handed} end
+end
 return {0}
 """,
 )
 
 # RESET: force release whoever holds the lock (operator action).
-# KEYS[1] the lock (the others are derived from it, as above).  No ARGV.
-# Returns 1 when a lock was held and removed, else 0. The next waiter, if any,
-# is handed the lock and woken, as on a normal release.
+# KEYS[1..5] lock, fence, queue, leases, waiting.  No ARGV.
+# Returns 0 when the lock was not held, 1 when it was removed with nobody
+# waiting, else the token of the first waiter, handed the lock as on a release,
+# which the caller must WAKE.
 RESET = LuaScript(
     "reset",
-    _COMMON
-    + r"""
+    r"""
 if redis.call('EXISTS', KEYS[1]) == 0 then return 0 end
-local name = redis.call('HGET', KEYS[1], 'name') or ''
 redis.call('DEL', KEYS[1])
-hand_off(name, now_us())
+"""
+    + _CONSTANTS
+    + _CLOCK
+    + _GRANT
+    + _QUEUE
+    + r"""
+return hand_off(nil) or 1
+""",
+)
+
+# WAKE: push the wake-up of a waiter a script handed the lock to but could not
+# wake (its list was not among that script's KEYS). Pushed only while the lock
+# is still the waiter's, so a late WAKE never announces a lock it lost since.
+# KEYS[1] lock, KEYS[2] queue, KEYS[3] the waiter's wake-up list.  ARGV[1] its token.
+# Returns 1 when pushed, 0 when the lock is no longer that waiter's.
+WAKE = LuaScript(
+    "wake",
+    f"local WAIT_LEASE = {int(WAIT_LEASE * 1000)}\n"
+    + r"""
+local found = redis.call('HMGET', KEYS[1], 'token', 'fence')
+if found[1] ~= ARGV[1] then return 0 end
+local after = redis.call('ZRANGE', KEYS[2], 0, 0)[1] or ''
+redis.call('RPUSH', KEYS[3], found[2] .. '|' .. after)
+redis.call('PEXPIRE', KEYS[3], WAIT_LEASE)
 return 1
 """,
 )
@@ -282,19 +390,171 @@ def lease_ms(seconds: float) -> int:
     return max(1, int(seconds * 1000))
 
 
-def run(client: Any, script: LuaScript, keys: list[str], args: list[Any]) -> Any:
+def run(client: Any, script: LuaScript, keys: Sequence[str], args: Sequence[Any]) -> Any:
     """Run ``script`` with EVALSHA, loading it once if the server does not know it."""
     try:
-        return client.evalsha(script.sha, len(keys), *keys, *args)
+        return _evalsha(client, script, keys, args)
     except NoScriptError:
         client.script_load(script.source)
+        return _evalsha(client, script, keys, args)
+
+
+def _evalsha(client: Any, script: LuaScript, keys: Sequence[str], args: Sequence[Any]) -> Any:
+    pool = _direct_pool(client)
+    if pool is None:
         return client.evalsha(script.sha, len(keys), *keys, *args)
+    connection = pool.get_connection()
+    if getattr(getattr(connection, "retry", None), "_retries", 1) != 0:
+        # The connection retries failed commands: let redis-py do that, on a
+        # connection of its own choosing (holding this one as well would take
+        # two from the pool per call, and exhaust a bounded pool).
+        pool.release(connection)
+        return client.evalsha(script.sha, len(keys), *keys, *args)
+    try:
+        packed = _pack(script, keys, args)
+        try:
+            connection.send_packed_command([packed])
+            return connection.read_response()
+        except redis.ResponseError:
+            raise  # the reply was read whole: the connection is ready for the next command
+        except BaseException:
+            # A send or read that fails midway disconnects itself, but an
+            # exception landing between the two (a signal handler's, an
+            # async one) would leave our reply unread on the connection, for
+            # the next command to take as its own.
+            connection.disconnect()
+            raise
+    finally:
+        pool.release(connection)
 
 
-async def arun(client: Any, script: LuaScript, keys: list[str], args: list[Any]) -> Any:
+_PLAIN_POOLS = (redis.ConnectionPool, redis.BlockingConnectionPool)
+
+
+def _direct_pool(client: Any) -> Any:
+    """Return the pool to send EVALSHA through directly, or None to call ``client.evalsha``.
+
+    Only a plain ``redis.Redis`` (not a subclass, not a single-connection
+    client) over a plain connection pool with UTF-8 keys qualifies, and only
+    while nothing wraps redis-py's ``execute_command`` (tracing and APM
+    instrumentations do): their users must keep seeing our commands.
+    """
+    if type(client) is not redis.Redis or client.connection is not None:
+        return None
+    pool = client.connection_pool
+    if type(pool) not in _PLAIN_POOLS:
+        return None
+    kwargs = pool.connection_kwargs
+    if kwargs.get("encoding", "utf-8") != "utf-8" or kwargs.get("encoding_errors", "strict") != (
+        "strict"
+    ):
+        return None
+    execute = redis.Redis.execute_command
+    if type(execute) is not types.FunctionType or execute.__module__ != "redis.client":
+        return None
+    if hasattr(execute, "__wrapped__"):
+        return None
+    return pool
+
+
+@lru_cache(maxsize=4096)
+def _packed_keys(keys: tuple[str, ...]) -> bytes:
+    return b"".join(b"$%d\r\n%s\r\n" % (len(key.encode()), key.encode()) for key in keys)
+
+
+def _pack(script: LuaScript, keys: Sequence[str], args: Sequence[Any]) -> bytes:
+    """Return EVALSHA of ``script`` with ``keys`` and ``args`` in the Redis protocol.
+
+    Encoded as redis-py encodes them on a UTF-8 connection: text as UTF-8,
+    numbers as their repr.
+    """
+    count = b"%d" % len(keys)
+    parts = [
+        b"*%d\r\n" % (3 + len(keys) + len(args)),
+        script.packed_head,
+        b"$%d\r\n%s\r\n" % (len(count), count),
+    ]
+    rest: Sequence[Any] = (*keys, *args)
+    if len(keys) >= 5:
+        # The five keys every queue-aware call starts with, packed once per lock.
+        parts.append(_packed_keys(tuple(keys[:5])))
+        rest = (*keys[5:], *args)
+    for item in rest:
+        if isinstance(item, str):
+            data = item.encode()
+        elif isinstance(item, bytes):
+            data = item
+        elif isinstance(item, (int, float)) and not isinstance(item, bool):
+            data = repr(item).encode()
+        else:
+            raise TypeError(f"Cannot send {type(item).__name__} to a lock script.")
+        parts.append(b"$%d\r\n%s\r\n" % (len(data), data))
+    return b"".join(parts)
+
+
+async def arun(client: Any, script: LuaScript, keys: Sequence[str], args: Sequence[Any]) -> Any:
     """Async twin of :func:`run`."""
     try:
         return await client.evalsha(script.sha, len(keys), *keys, *args)
     except NoScriptError:
         await client.script_load(script.source)
         return await client.evalsha(script.sha, len(keys), *keys, *args)
+
+
+# WAIT counts the replication offset of the calling connection's last write,
+# so it must follow the script on the same connection: the two are sent as one
+# non-transactional pipeline (one round trip, one pooled connection).
+
+
+def _acknowledged(results: list[Any]) -> tuple[Any, int]:
+    reply, acknowledged = results
+    if isinstance(reply, Exception):
+        raise reply
+    if isinstance(acknowledged, Exception):
+        raise acknowledged
+    return reply, int(acknowledged)
+
+
+def run_acknowledged(
+    client: Any,
+    script: LuaScript,
+    keys: Sequence[str],
+    args: Sequence[Any],
+    replicas: int,
+    timeout: float,
+) -> tuple[Any, int]:
+    """Run ``script`` and WAIT up to ``timeout`` s for ``replicas`` to acknowledge its write.
+
+    Return the script's reply and how many replicas acknowledged.
+    """
+    for loaded in (False, True):
+        pipe = client.pipeline(transaction=False)
+        pipe.evalsha(script.sha, len(keys), *keys, *args)
+        pipe.wait(replicas, lease_ms(timeout))
+        results = pipe.execute(raise_on_error=False)
+        if isinstance(results[0], NoScriptError) and not loaded:
+            client.script_load(script.source)
+            continue
+        break
+    return _acknowledged(results)
+
+
+async def arun_acknowledged(
+    client: Any,
+    script: LuaScript,
+    keys: Sequence[str],
+    args: Sequence[Any],
+    replicas: int,
+    timeout: float,
+) -> tuple[Any, int]:
+    """Async twin of :func:`run_acknowledged`."""
+    for loaded in (False, True):
+        pipe = client.pipeline(transaction=False)
+        pipe.evalsha(script.sha, len(keys), *keys, *args)
+        pipe.wait(replicas, lease_ms(timeout))
+        results = await pipe.execute(raise_on_error=False)
+        if isinstance(results[0], NoScriptError) and not loaded:
+            await client.script_load(script.source)
+            continue
+        break
+    return _acknowledged(results)

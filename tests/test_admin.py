@@ -361,3 +361,115 @@ def test_release_of_lock_no_longer_held_says_so(releaser, hold):
     )
     assert [str(m) for m in response.context["messages"]] == ["1 lock was no longer held."]
     assert not LogEntry.objects.exists()
+
+
+# -- filters -------------------------------------------------------------------------
+
+
+def test_filter_fields_narrow_the_list_and_keep_their_values(viewer, hold_on_host):
+    hold_on_host("cache:warm", "web1", label="deploy")
+    hold_on_host("cache:rebuild", "web2", label="deploy")
+    response = viewer.get(LIST_URL, {"host": "WEB1", "label": "deploy"})
+    assert response.status_code == 200
+    assert list(_rows(response)) == ["cache:warm"]
+    assert response.context["total"] == 2
+    fields = {field["name"]: field["value"] for field in response.context["filter_fields"]}
+    assert fields == {"host": "WEB1", "pid": "", "label": "deploy", "older_than": ""}
+    assert b'id="filter-host" value="WEB1"' in response.content
+
+
+def test_pid_and_older_than_filters_select_by_holder_and_age(viewer, hold, hold_on_host):
+    other = hold_on_host("elsewhere", "web2")
+    hold("here")
+    by_pid = viewer.get(LIST_URL, {"pid": str(other.pid)})
+    assert list(_rows(by_pid)) == ["elsewhere"]
+    assert list(_rows(viewer.get(LIST_URL, {"older_than": "0"}))) == ["elsewhere", "here"]
+    assert list(_rows(viewer.get(LIST_URL, {"older_than": "1h"}))) == []
+
+
+def test_bad_filter_is_explained_and_lists_nothing(viewer, hold):
+    hold("batch")
+    response = viewer.get(LIST_URL, {"older_than": "soon", "pid": "x", "host": "web1"})
+    assert response.status_code == 400
+    assert response.context["locks"] == []
+    assert b"batch" not in response.content
+    error = response.context["error"]
+    assert "PID: 'x' is not a process id" in error
+    assert "Held longer than: 'soon' is not a duration" in error
+    errors = {field["name"]: field["error"] for field in response.context["filter_fields"]}
+    assert errors["host"] == ""
+    assert errors["older_than"].startswith("'soon' is not a duration")
+    assert b'id="filter-older_than" value="soon"' in response.content
+    assert b'http-equiv="refresh"' not in response.content  # no reloading the same error
+
+
+def test_links_of_a_filtered_list_keep_the_filter(releaser, hold):
+    hold("batch", label="nightly")
+    response = releaser.get(LIST_URL, {"label": "nightly"})
+    [row] = _rows(response).values()
+    assert row["release_url"] == RELEASE_URL + "?using=default&name=batch&label=nightly"
+    assert response.context["pause_url"].endswith("refresh=0&label=nightly")
+    assert response.context["clear_filters_url"] == LIST_URL + "?using=default"
+    assert b'<input type="hidden" name="label" value="nightly">' in response.content
+
+
+def test_filtered_release_confirms_and_releases_only_matching_locks(releaser, hold):
+    hold("a", label="nightly")
+    kept = hold("b", label="request")
+    selection = {"name": ["a", "b"], "label": "nightly"}
+    page = releaser.get(RELEASE_URL, selection)
+    assert [row["name"] for row in page.context["locks"]] == ["a"]
+    assert page.context["unmatched"] == ["b"]
+    assert page.context["filter_description"] == "label 'nightly'"
+    assert b'id="release-filter"' in page.content
+    response = releaser.post(
+        RELEASE_URL,
+        {**selection, "csrfmiddlewaretoken": _csrf_token(page.content.decode())},
+        follow=True,
+    )
+    assert [str(m) for m in response.context["messages"]] == [
+        "1 lock no longer matched the filter and was left alone.",
+        "Released 1 lock.",
+    ]
+    assert response.redirect_chain[-1][0] == LIST_URL + "?using=default&label=nightly"
+    assert kept.owned()
+    assert not Mutex("a").locked()
+    assert [entry.object_repr for entry in LogEntry.objects.all()] == ["a"]
+
+
+def test_filtered_release_leaves_a_lock_that_passed_to_a_holder_outside_the_filter(releaser, hold):
+    first = hold("batch", label="nightly")
+    page = releaser.get(RELEASE_URL, {"name": "batch", "label": "nightly"})
+    first.release()
+    successor = hold("batch", label="request")
+    response = releaser.post(
+        RELEASE_URL,
+        {
+            "name": "batch",
+            "label": "nightly",
+            "csrfmiddlewaretoken": _csrf_token(page.content.decode()),
+        },
+        follow=True,
+    )
+    assert [str(m) for m in response.context["messages"]] == [
+        "1 lock no longer matched the filter and was left alone."
+    ]
+    assert successor.owned()
+    assert not LogEntry.objects.exists()
+
+
+def test_filtered_release_with_a_bad_filter_releases_nothing(releaser, hold):
+    lock = hold("batch")
+    response = releaser.get(RELEASE_URL, {"name": "batch", "older_than": "soon"}, follow=True)
+    [message] = [str(m) for m in response.context["messages"]]
+    assert message.startswith("The filter cannot be used: Held longer than: 'soon'")
+    assert lock.owned()
+
+
+def test_selection_outside_the_filter_goes_back_to_the_list(releaser, hold):
+    lock = hold("batch", label="request")
+    response = releaser.get(RELEASE_URL, {"name": "batch", "label": "nightly"}, follow=True)
+    assert [str(m) for m in response.context["messages"]] == [
+        "None of the selected locks matches the filter."
+    ]
+    assert lock.owned()

@@ -19,7 +19,7 @@ from typing import Any
 import pytest
 from django.contrib.admin.models import DELETION, LogEntry
 
-from django_redis_mutex import Mutex
+from django_redis_mutex import Mutex, held_locks
 
 from .helpers import ROOT
 
@@ -148,3 +148,34 @@ def test_release_link_works_without_javascript(playwright_api, live_server, admi
         expect(page.locator("#no-locks")).to_contain_text("No lock is held")
 
     assert not Mutex("imports:daily").locked()
+
+
+def test_release_of_one_hosts_locks_keeps_the_other_hosts_lock(
+    playwright_api, live_server, admin_user, hold_on_host
+):
+    expect = playwright_api.expect
+    web1 = hold_on_host("cache:web1", "web1", label="deploy")
+    web2 = hold_on_host("cache:web2", "web2", label="deploy")
+
+    with logged_in_page(playwright_api, live_server.url, admin_user) as page:
+        expect(page.locator("tr.lock-row")).to_have_count(2)
+        page.fill("#filter-host", "web1")
+        page.click("#apply-filters")
+        expect(page.locator("tr.lock-row")).to_have_count(1)
+        expect(page.locator('tr[data-lock="cache:web1"] td.field-host')).to_have_text("web1")
+
+        page.check("#select-all-locks")  # everything listed: web1's locks only
+        page.click("#release-selected")
+        expect(page.locator("#release-list li")).to_have_count(1)
+        expect(page.locator("#release-list")).to_contain_text("cache:web1")
+        expect(page.locator("#release-filter")).to_contain_text("host 'web1'")
+        page.click("#confirm-release")
+
+        expect(page.locator("ul.messagelist")).to_contain_text("Released 1 lock.")
+        expect(page.locator("#filter-host")).to_have_value("web1")  # back on the filtered list
+        expect(page.locator("#no-locks")).to_contain_text("No held lock matches this filter.")
+
+    assert [held.name for held in held_locks()] == ["cache:web2"]
+    assert web1.let_go() == "lost"
+    assert web2.let_go() == "released"
+    assert LogEntry.objects.get().object_repr == "cache:web1"

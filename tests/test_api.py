@@ -653,11 +653,9 @@ def test_reset_of_free_lock_returns_false():
     assert reset("nobody") is False
 
 
-def test_reset_hands_lock_to_waiter():
-    holder = Mutex("stuck", watchdog=False)
-    assert holder.acquire()
+def queued_waiter(waiter: Mutex) -> tuple[threading.Event, threading.Thread]:
+    """Start a thread acquiring ``waiter``; return once it queued (event set when it got it)."""
     got = threading.Event()
-    waiter = Mutex("stuck", timeout=10)
 
     def wait_for_it() -> None:
         if waiter.acquire():
@@ -666,6 +664,14 @@ def test_reset_hands_lock_to_waiter():
     thread = threading.Thread(target=wait_for_it)
     thread.start()
     assert wait_until(lambda: held_locks()[0].waiters == 1)
+    return got, thread
+
+
+def test_reset_hands_lock_to_waiter():
+    holder = Mutex("stuck", watchdog=False)
+    assert holder.acquire()
+    waiter = Mutex("stuck", timeout=10)
+    got, thread = queued_waiter(waiter)
     started = time.monotonic()
     assert reset("stuck")
     assert got.wait(5)
@@ -846,16 +852,8 @@ def test_waiter_behind_a_dead_holder_is_woken_at_its_ttl_expiry():
 def test_releasing_owner_cannot_barge_ahead_of_a_waiter():
     holder = Mutex("fair")
     assert holder.acquire()
-    got = threading.Event()
     waiter = Mutex("fair", timeout=10)
-
-    def wait_for_it() -> None:
-        if waiter.acquire():
-            got.set()
-
-    thread = threading.Thread(target=wait_for_it)
-    thread.start()
-    assert wait_until(lambda: held_locks()[0].waiters == 1)
+    got, thread = queued_waiter(waiter)
     holder.release()
     assert holder.acquire(blocking=False) is False
     assert got.wait(5)

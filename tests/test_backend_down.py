@@ -147,8 +147,14 @@ def test_explicit_aacquire_raises_even_when_fail_open():
     ids=["held_locks", "reset", "reset_all", "locked", "owner"],
 )
 def test_inspection_raises_backend_unavailable(call):
-    with unreachable(), pytest.raises(LockBackendUnavailable):
+    with unreachable(), pytest.raises(LockBackendUnavailable) as raised:
         call()
+    # The message is shown to people (demo page, admin, `locks`): it names the
+    # cache, and a lock only when the call was about one.
+    message = str(raised.value)
+    assert message.startswith("Redis for cache 'default' is unavailable")
+    assert "'*'" not in message
+    assert ("'inventory'" in message) == (raised.value.name == "inventory")
 
 
 # -- FAIL_OPEN ---------------------------------------------------------------------------

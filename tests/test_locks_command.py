@@ -15,6 +15,7 @@ import os
 import subprocess
 import sys
 import threading
+import time
 from collections.abc import Iterator
 from dataclasses import fields
 from io import StringIO
@@ -326,3 +327,208 @@ def test_command_line_error_is_one_line_on_stderr_without_traceback() -> None:
     assert result.stdout == ""
     [line] = result.stderr.splitlines()
     assert line.startswith("CommandError: Redis for cache 'default' is unavailable: ")
+
+
+# -- filters ---------------------------------------------------------------
+
+
+def age(raw: redis.Redis, lock: Mutex, seconds: float) -> None:
+    """Make a held lock read as taken ``seconds`` ago, as one taken then would.
+
+    An ``acquired`` time (ms) in the lock's hash is what ``held_for`` counts
+    from; writing an earlier one ages the real lock without a test that sleeps
+    for minutes.
+    """
+    raw.hset(lock.keys.lock, "acquired", int((time.time() - seconds) * 1000))
+
+
+def test_host_filter_lists_only_that_hosts_locks(hold_on_host: Any, held: list[Mutex]) -> None:
+    web1 = hold_on_host("cache:warm", "web1")
+    hold_on_host("cache:rebuild", "web2")
+    hold(held, "local", label="here")
+    out = locks("--host", "WEB1")
+    _source, _header, row, footer = out.splitlines()
+    assert row.split()[:3] == ["cache:warm", "web1", str(web1.pid)]
+    assert footer == "1 of 3 locks held in cache 'default' matches the filter (host 'WEB1')."
+
+
+def test_json_lists_only_locks_matching_every_filter(hold_on_host: Any, held: list[Mutex]) -> None:
+    web1 = hold_on_host("a", "web1", label="deploy")
+    hold_on_host("b", "web1", label="cron")
+    hold_on_host("c", "web2", label="deploy")
+    data = json.loads(locks("--json", "--host", "web1", "--label", "deploy"))
+    assert [(item["name"], item["owner"]["pid"]) for item in data] == [("a", web1.pid)]
+    assert [item["name"] for item in json.loads(locks("--json", "--pid", str(web1.pid)))] == ["a"]
+
+
+def test_older_than_selects_locks_held_at_least_that_long(
+    raw: redis.Redis, held: list[Mutex]
+) -> None:
+    age(raw, hold(held, "stale"), 2 * 3600)
+    age(raw, hold(held, "recent"), 5 * 60)
+    hold(held, "fresh")
+    selected = {
+        duration: [item["name"] for item in json.loads(locks("--json", "--older-than", duration))]
+        for duration in ("1h30m", "240", "4m", "0")
+    }
+    assert selected == {
+        "1h30m": ["stale"],
+        "240": ["recent", "stale"],
+        "4m": ["recent", "stale"],
+        "0": ["fresh", "recent", "stale"],
+    }
+
+
+def test_filter_matching_nothing_says_how_many_are_held(held: list[Mutex]) -> None:
+    hold(held, "a", label="cron")
+    assert locks("--label", "deploy").splitlines()[1:] == [
+        "No held lock in cache 'default' matches the filter (label 'deploy'); 1 lock held."
+    ]
+
+
+def test_reset_all_with_host_resets_only_that_hosts_locks(
+    hold_on_host: Any, held: list[Mutex]
+) -> None:
+    stale = [hold_on_host(f"deploy:{i}", "web1") for i in range(2)]
+    other = hold_on_host("deploy:web2", "web2")
+    local = hold(held, "local")
+    out = locks("--reset-all", "--host", "web1", "--noinput")
+    lines = out.splitlines()
+    # The selection, as a table, then the count.
+    assert [line.split()[0] for line in lines[2:4]] == ["deploy:0", "deploy:1"]
+    assert lines[4:] == [
+        "2 of 4 locks held in cache 'default' match the filter (host 'web1').",
+        "Released 2 selected locks in cache 'default'.",
+    ]
+    assert [h.name for h in held_locks()] == ["deploy:web2", "local"]
+    assert local.owned()
+    assert [holder.let_go() for holder in stale] == ["lost", "lost"]
+    assert other.let_go() == "released"
+
+
+def test_filtered_reset_all_shows_selection_before_asking(
+    held: list[Mutex], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    hold(held, "batch:1", label="batch")
+    keep = hold(held, "web", label="request")
+    out = StringIO()
+    shown_at_prompt: list[str] = []
+
+    def answer(prompt: str) -> str:
+        shown_at_prompt.append(out.getvalue() + prompt)
+        return "yes"
+
+    monkeypatch.setattr(builtins, "input", answer)
+    call_command("locks", "--reset-all", "--label", "batch", stdout=out)
+    [screen] = shown_at_prompt
+    assert "batch:1" in screen and "web " not in screen
+    assert "force-release the 1 lock listed above" in screen
+    assert out.getvalue().endswith("Released 1 selected lock in cache 'default'.\n")
+    assert [h.name for h in held_locks()] == ["web"]
+    assert keep.owned()
+
+
+def test_filtered_reset_all_keeps_locks_when_not_confirmed(
+    held: list[Mutex], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    lock = hold(held, "batch:1", label="batch")
+    monkeypatch.setattr(builtins, "input", lambda prompt: "no")
+    assert locks("--reset-all", "--label", "batch").endswith("Reset cancelled.\n")
+    assert lock.owned()
+
+
+def test_filtered_reset_all_leaves_a_lock_that_changed_hands_after_listing(
+    held: list[Mutex], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    first = hold(held, "batch:1", label="batch")
+    successor: list[Mutex] = []
+
+    def hand_over_then_confirm(prompt: str) -> str:
+        # While the operator reads the selection, the holder finishes and a new
+        # holder, matching the same filter, takes the lock.
+        first.release()
+        successor.append(hold(held, "batch:1", label="batch"))
+        return "yes"
+
+    monkeypatch.setattr(builtins, "input", hand_over_then_confirm)
+    out = locks("--reset-all", "--label", "batch")
+    assert out.splitlines()[-2:] == [
+        "'batch:1' was released or changed hands since it was listed; left alone.",
+        "Released 0 of the 1 selected lock in cache 'default'.",
+    ]
+    assert successor[0].owned()
+
+
+def test_filtered_reset_all_with_nothing_selected_asks_nothing(
+    held: list[Mutex], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    lock = hold(held, "a", label="cron")
+    monkeypatch.setattr(builtins, "input", lambda prompt: pytest.fail("asked to confirm"))
+    assert locks("--reset-all", "--label", "deploy").splitlines()[-1] == "Nothing to reset."
+    assert lock.owned()
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--older-than", "10x"], "--older-than '10x' is not a duration: write seconds (90)"),
+        (["--older-than", "1m30h"], "--older-than '1m30h' is not a duration"),
+        (["--older-than", "-5"], "--older-than '-5' is not a duration"),
+        (["--older-than", "inf"], "--older-than 'inf' is not a duration"),
+        (["--older-than", ""], "--older-than is empty; give a value to match."),
+        (["--pid", "abc"], "--pid 'abc' is not a process id: give a whole number of at least 1."),
+        (["--pid", "0"], "--pid 0 is not a process id"),
+        (["--pid", "-3"], "--pid '-3' is not a process id"),
+        (["--host", ""], "--host is empty; give a value to match."),
+        (["--label", "  "], "--label is empty; give a value to match."),
+        (["--reset", "a", "--host", "web1"], "--reset takes lock names; the filters"),
+    ],
+)
+def test_bad_filter_is_a_command_error_naming_it(
+    args: list[str], message: str, held: list[Mutex]
+) -> None:
+    lock = hold(held, "a")
+    for extra in ([], ["--reset-all", "--noinput"]):
+        if "--reset" in args and extra:
+            continue
+        with pytest.raises(CommandError) as raised:
+            locks(*args, *extra)
+        assert str(raised.value).startswith(message)
+    assert lock.owned()
+
+
+def _manage(*args: str) -> subprocess.CompletedProcess[str]:
+    env = dict(
+        os.environ,
+        DJANGO_SETTINGS_MODULE="tests.settings",
+        PYTHONPATH=ROOT,
+    )
+    return subprocess.run(
+        [sys.executable, "-m", "django", "locks", *args],
+        env=env,
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+
+
+def test_reset_all_by_host_from_the_command_line(hold_on_host: Any) -> None:
+    gone = hold_on_host("deploy:web1", "web1")
+    kept = hold_on_host("deploy:web2", "web2")
+    result = _manage("--reset-all", "--host", "web1", "--noinput")
+    assert result.returncode == 0, result.stderr
+    assert result.stderr == ""
+    lines = result.stdout.splitlines()
+    assert lines[2].split()[:2] == ["deploy:web1", "web1"]
+    assert lines[-1] == "Released 1 selected lock in cache 'default'."
+    assert gone.let_go() == "lost"
+    assert kept.let_go() == "released"
+
+
+def test_bad_duration_from_the_command_line_is_one_line_on_stderr() -> None:
+    result = _manage("--older-than", "soon")
+    assert result.returncode == 1
+    assert result.stdout == ""
+    [line] = result.stderr.splitlines()
+    assert line.startswith("CommandError: --older-than 'soon' is not a duration: ")

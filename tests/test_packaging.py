@@ -153,7 +153,7 @@ def test_wheel_metadata_declares_dependencies_python_and_typing(wheel: Path) -> 
         for line in metadata.splitlines()
         if line.startswith("Requires-Dist:")
     }
-    assert {"django", "django-redis"} <= requires
+    assert {"django", "django-redis", "redis"} <= requires
     python = re.search(r'^requires-python = "([^"]+)"', PYPROJECT.read_text(), re.MULTILINE)
     assert python is not None
     assert f"Requires-Python: {python.group(1)}" in metadata.splitlines()

@@ -16,7 +16,7 @@ import gc
 import threading
 import time
 import warnings
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import pytest
 import redis
@@ -25,7 +25,9 @@ from django_redis_mutex import LockBackendUnavailable, LockNotOwned, Mutex, held
 from django_redis_mutex.testing import RedisServer
 
 from .helpers import await_until, wait_until
+from .holders import Holders
 from .topologies import SectionWorkers, SentinelGroup, extra_caches
+from .worker import Worker
 
 ALIAS = "sentinel"
 
@@ -62,6 +64,15 @@ def token_on(port: int, key: str) -> str | None:
     finally:
         client.close()
     return token.decode() if isinstance(token, bytes) else token
+
+
+def queued_on(port: int, key: str) -> int:
+    """Return how many waiters the queue at ``key`` holds on the node at ``port``."""
+    client = redis.Redis(port=port, socket_timeout=2)
+    try:
+        return int(client.zcard(key))
+    finally:
+        client.close()
 
 
 def fence_on(port: int, key: str) -> int:
@@ -299,6 +310,45 @@ def test_lock_held_at_failover_can_be_lost_but_fences_still_order(group: Sentine
     with pytest.raises(LockNotOwned, match="'report'"):
         holder.release()
     second.release()
+
+
+@pytest.mark.slow  # a real failover takes about 3 s
+def test_waiters_queued_at_failover_get_the_lock_in_turn_on_the_promoted_replica(
+    group: SentinelGroup, raw: redis.Redis, mutex_prefix: str, spawn: Callable[..., Worker]
+) -> None:
+    """A holder and two waiters, each its own process, straddle a killed master.
+
+    The lock and its queue reached the replicas before the kill, so the holder
+    keeps its lock (its lease outlasts the failover); each waiter's blocking
+    wait breaks with the master, and it waits again on the promoted replica
+    (retrying what failed with LockBackendUnavailable, within its timeout).
+    """
+    holders = Holders(spawn, raw, {ALIAS: group.cache_entry(mutex_prefix)}, ALIAS, ttl=10)
+    holders.hold(["report"], waiters=2)
+    keys = Mutex("report", using=ALIAS).keys
+    wait_until(
+        lambda: all(
+            token_on(r.port, keys.lock) == holders.tokens["report"]
+            and queued_on(r.port, keys.queue) == 2
+            for r in group.replica_servers()
+        ),
+        10,
+        "the lock and its queue to reach the replicas",
+    )
+
+    new = group.fail_over()
+
+    holders.wait_queued("report", 2)
+    (listed,) = held_locks(using=ALIAS)
+    assert (listed.owner.pid, listed.fence) == (
+        holders.holders["report"].pid,
+        holders.fences["report"],
+    )
+    handed = holders.let_go()
+    assert handed.violations() == []
+    assert holders.reports("lost") == [] and len(holders.reports("released")) == 3
+    holders.check_handed_in_turn(handed)  # holder first, then each waiter once, fences growing
+    assert fence_on(new.port, keys.fence) == max(s.fence for s in handed.of("report"))
 
 
 # -- engine bugs -------------------------------------------------------------------------------

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import os
 import threading
 import time
@@ -12,10 +13,20 @@ from typing import Any
 import pytest
 from django.dispatch import Signal
 
-from django_redis_mutex import LockLost, LockNotOwned, Mutex, held_locks, mutex, reset, signals
+from django_redis_mutex import (
+    LockBackendUnavailable,
+    LockLost,
+    LockNotOwned,
+    Mutex,
+    held_locks,
+    mutex,
+    reset,
+    signals,
+)
 from django_redis_mutex.signals import lock_acquired, lock_contended, lock_lost, lock_released
+from django_redis_mutex.testing import free_port
 
-from .helpers import wait_until
+from .helpers import await_until, take_and_release, wait_until
 
 
 class Received(list[dict[str, Any]]):
@@ -204,3 +215,93 @@ def test_failing_lock_acquired_receiver_gives_the_lock_back():
     finally:
         signals.lock_acquired.disconnect(broken_receiver)
     assert not Mutex("given-back").locked()
+
+
+def test_lock_waiting_is_sent_when_a_wait_starts_and_when_it_ends(receive: Any) -> None:
+    waiting = receive(signals.lock_waiting)
+    holder = Mutex("inventory")
+    assert holder.acquire()
+    waiter = threading.Thread(target=take_and_release, args=(Mutex("inventory"),))
+    waiter.start()
+    assert waiting.arrived.wait(5), "the waiter did not report its wait"
+    assert [call["kwargs"] for call in waiting] == [{"name": "inventory", "waiting": True}]
+    holder.release()
+    waiter.join(5)
+    assert [call["kwargs"]["waiting"] for call in waiting] == [True, False]
+    assert {call["sender"] for call in waiting} == {"default"}
+    assert {call["thread"] for call in waiting} == {waiter}
+
+
+def test_lock_waiting_ends_when_the_wait_times_out(receive: Any) -> None:
+    waiting = receive(signals.lock_waiting)
+    with held_elsewhere("inventory"):
+        assert not Mutex("inventory", timeout=0.2).acquire()
+    assert [call["kwargs"]["waiting"] for call in waiting] == [True, False]
+
+
+def test_lock_waiting_ends_when_the_waiting_task_is_cancelled(receive: Any) -> None:
+    waiting = receive(signals.lock_waiting)
+
+    async def cancel_a_waiter() -> None:
+        task = asyncio.ensure_future(Mutex("inventory", timeout=30).aacquire())
+        await await_until(lambda: len(waiting) == 1, what="the wait to start")
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+
+    with held_elsewhere("inventory"):
+        asyncio.run(cancel_a_waiter())
+    assert [call["kwargs"]["waiting"] for call in waiting] == [True, False]
+
+
+def test_lock_waiting_is_not_sent_without_a_wait(receive: Any) -> None:
+    waiting = receive(signals.lock_waiting)
+    with mutex("inventory"):
+        pass
+    with held_elsewhere("inventory"):
+        assert not Mutex("inventory").acquire(blocking=False)
+        assert not Mutex("inventory").acquire(timeout=0)
+    assert waiting == []
+
+
+def test_failing_lock_waiting_receiver_costs_the_waiter_nothing(
+    receive: Any, caplog: pytest.LogCaptureFixture
+) -> None:
+    def broken_receiver(**kwargs: Any) -> None:
+        raise RuntimeError("gauge down")
+
+    signals.lock_waiting.connect(broken_receiver)
+    try:
+        with held_elsewhere("inventory", ttl=0.3, watchdog=False):
+            waiter = Mutex("inventory", timeout=5)
+            assert waiter.acquire()  # handed over when the holder's lease ran out
+            waiter.release()
+    finally:
+        signals.lock_waiting.disconnect(broken_receiver)
+    ours = [record for record in caplog.records if record.name == "django_redis_mutex"]
+    assert ["gauge down" in record.getMessage() for record in ours] == [True, True]
+
+
+def test_lock_unavailable_is_sent_when_redis_cannot_be_reached(receive: Any, settings: Any) -> None:
+    settings.CACHES = {
+        **settings.CACHES,
+        "down": {**settings.CACHES["default"], "LOCATION": f"redis://127.0.0.1:{free_port()}/0"},
+    }
+    unavailable = receive(signals.lock_unavailable)
+    with pytest.raises(LockBackendUnavailable) as raised:
+        Mutex("inventory", using="down").acquire()
+    [call] = unavailable
+    assert call["sender"] == "down"
+    assert set(call["kwargs"]) == {"name", "wait", "error"}
+    assert call["kwargs"]["name"] == "inventory"
+    assert call["kwargs"]["error"] is raised.value
+    assert 0 <= call["kwargs"]["wait"] < 5
+
+
+def test_lock_unavailable_is_not_sent_when_redis_answers(receive: Any) -> None:
+    unavailable = receive(signals.lock_unavailable)
+    with mutex("inventory"):
+        pass
+    with held_elsewhere("inventory"):
+        assert not Mutex("inventory", timeout=0).acquire()
+    assert unavailable == []

@@ -199,7 +199,9 @@ def main() -> int:
             results = await asyncio.gather(
                 *(run.acontend() for _ in range(ARGS.threads)), return_exceptions=True
             )
-            errors.extend(repr(r) for r in results if isinstance(r, BaseException))
+            errors.extend(
+                f"{type(r).__name__}: {r}" for r in results if isinstance(r, BaseException)
+            )
 
         asyncio.run(all_tasks())
     else:
@@ -208,7 +210,9 @@ def main() -> int:
             try:
                 run.contend()
             except BaseException as exc:  # reported below; the test fails on it
-                errors.append(f"{threading.current_thread().name}: {exc!r}")
+                # The message too: redis-py's repr of a server error leaves it out.
+                name = threading.current_thread().name
+                errors.append(f"{name}: {type(exc).__name__}: {exc}")
 
         threads = [
             threading.Thread(target=guarded, name=f"contender-{i}") for i in range(ARGS.threads)

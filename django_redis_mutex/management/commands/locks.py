@@ -11,6 +11,11 @@ Lock names and labels are often built from request data, so the table shows
 every field with control and bidi characters escaped (``\\x1b``, ``\\u202e``):
 a name cannot clear the operator's screen, retitle the terminal or reorder
 what is printed after it. ``--json`` keeps the exact values (JSON escapes them).
+
+``--host``, ``--pid``, ``--label`` and ``--older-than`` narrow the listing and
+``--reset-all`` to the locks a :class:`~django_redis_mutex.filters.LockFilter`
+matches. A filtered reset shows its selection first and resets each lock only
+while the acquisition that was listed still holds it.
 """
 
 from __future__ import annotations
@@ -26,14 +31,18 @@ from django.core.management.base import BaseCommand, CommandError, CommandParser
 from django_redis_mutex.client import get_client
 from django_redis_mutex.display import duration, terminal_safe
 from django_redis_mutex.exceptions import LockBackendUnavailable
+from django_redis_mutex.filters import FILTER_FIELDS, FilterError, LockFilter
 from django_redis_mutex.introspection import (
     HeldLock,
     ensure_resettable,
     held_locks,
+    listed_locks,
     quorum_members,
     reset,
     reset_all,
+    reset_listed,
 )
+from django_redis_mutex.semaphore import semaphore_lines
 
 COLUMNS = ("NAME", "HOST", "PID", "THREAD", "LABEL", "HELD FOR", "TIME LEFT", "FENCE", "WAITERS")
 
@@ -96,6 +105,10 @@ def _plural(count: int, word: str) -> str:
     return f"{count} {word}" if count == 1 else f"{count} {word}s"
 
 
+def _flag(field: str) -> str:
+    return "--" + field.replace("_", "-")
+
+
 class Command(BaseCommand):
     help = (
         "Lists the distributed locks held in a cache alias, or force-releases them. "
@@ -129,6 +142,23 @@ class Command(BaseCommand):
             action="store_true",
             help="Force-releases every lock of this app in the cache alias.",
         )
+        selection = parser.add_argument_group(
+            "filters",
+            "Narrow the listing (table or --json) and --reset-all to the locks that match "
+            "every filter given.",
+        )
+        selection.add_argument(
+            "--host", help="Selects locks whose holder runs on HOST (exact, any case)."
+        )
+        selection.add_argument("--pid", help="Selects locks whose holder has process id PID.")
+        selection.add_argument(
+            "--label", help="Selects locks whose holder gave exactly this label."
+        )
+        selection.add_argument(
+            "--older-than",
+            metavar="DURATION",
+            help="Selects locks held for at least DURATION: seconds (90) or 90s, 10m, 2h, 1h30m.",
+        )
         parser.add_argument(
             "--noinput",
             "--no-input",
@@ -139,16 +169,36 @@ class Command(BaseCommand):
 
     def handle(self, *args: Any, **options: Any) -> None:
         alias: str = options["using"]
+        lock_filter = self.lock_filter(options)
+        if lock_filter and options["reset"]:
+            raise CommandError(
+                "--reset takes lock names; the filters "
+                f"({', '.join(map(_flag, FILTER_FIELDS))}) go with a listing or --reset-all."
+            )
         with self.lock_errors(alias):
             if options["reset"]:
                 self.reset_names(alias, options["reset"])
+            elif options["reset_all"] and lock_filter:
+                self.reset_selection(alias, lock_filter, interactive=options["interactive"])
             elif options["reset_all"]:
                 self.reset_everything(alias, interactive=options["interactive"])
-            elif options["json"]:
-                locks = held_locks(using=alias)
-                self.stdout.write(json.dumps([lock.as_dict() for lock in locks], indent=2))
             else:
-                self.show_table(alias, held_locks(using=alias))
+                found = held_locks(using=alias)
+                locks = [lock for lock in found if lock_filter.matches(lock)]
+                if options["json"]:
+                    self.stdout.write(json.dumps([lock.as_dict() for lock in locks], indent=2))
+                else:
+                    self.show_table(alias, locks, lock_filter, total=len(found))
+                    if not lock_filter and not quorum_members(alias):
+                        for line in semaphore_lines(alias):
+                            self.stdout.write(terminal_safe(line))
+
+    def lock_filter(self, options: dict[str, Any]) -> LockFilter:
+        """Return the filter the options ask for; a bad value is a CommandError naming its flag."""
+        try:
+            return LockFilter.from_strings(**{field: options.get(field) for field in FILTER_FIELDS})
+        except FilterError as exc:
+            raise CommandError(f"{_flag(exc.field)} {exc.problem}") from exc
 
     @contextmanager
     def lock_errors(self, alias: str) -> Iterator[None]:
@@ -175,11 +225,29 @@ class Command(BaseCommand):
             return f"Cache {alias!r} (a quorum of {where}):"
         return f"Cache {alias!r} at {describe_redis(alias)}:"
 
-    def show_table(self, alias: str, locks: list[HeldLock]) -> None:
+    def show_table(
+        self,
+        alias: str,
+        locks: list[HeldLock],
+        lock_filter: LockFilter | None = None,
+        *,
+        total: int | None = None,
+    ) -> None:
+        """Print the locks as a table under the line naming the Redis that was read.
+
+        With a filter, ``total`` is how many locks are held in all, matching or not.
+        """
         # Which server was read answers "why is my lock not listed?" at once.
         self.stdout.write(terminal_safe(self.source_line(alias)))
+        chosen = terminal_safe(lock_filter.describe()) if lock_filter else ""
         if not locks:
-            self.stdout.write(f"No locks are held in cache {alias!r}.")
+            if chosen and total:
+                self.stdout.write(
+                    f"No held lock in cache {alias!r} matches the filter ({chosen}); "
+                    f"{_plural(total, 'lock')} held."
+                )
+            else:
+                self.stdout.write(f"No locks are held in cache {alias!r}.")
             return
         rows = table_rows(locks)
         widths = [max(len(row[i]) for row in [COLUMNS, *rows]) for i in range(len(COLUMNS))]
@@ -193,6 +261,13 @@ class Command(BaseCommand):
             self.stdout.write(line(row))
         members = quorum_members(alias)
         where = f" (on a majority of {', '.join(members)})" if members else ""
+        if chosen:
+            verb = "matches" if len(locks) == 1 else "match"
+            self.stdout.write(
+                f"{len(locks)} of {_plural(total or 0, 'lock')} held in cache {alias!r}{where} "
+                f"{verb} the filter ({chosen})."
+            )
+            return
         self.stdout.write(f"{_plural(len(locks), 'lock')} held in cache {alias!r}{where}.")
 
     def reset_names(self, alias: str, names: list[str]) -> None:
@@ -223,3 +298,43 @@ class Command(BaseCommand):
         count = reset_all(using=alias)
         released = f"Released {_plural(count, 'lock')} in cache {alias!r}."
         self.stdout.write(self.style.SUCCESS(released))
+
+    def reset_selection(self, alias: str, lock_filter: LockFilter, *, interactive: bool) -> None:
+        """Reset the locks ``lock_filter`` selects, each only while its listed holder has it."""
+        ensure_resettable(alias)
+        listed = listed_locks(using=alias)
+        selection = [item for item in listed if lock_filter.matches(item.held)]
+        # Shown with --noinput too, so a deploy script's log says what it reset.
+        self.show_table(alias, [item.held for item in selection], lock_filter, total=len(listed))
+        if not selection:
+            self.stdout.write("Nothing to reset.")
+            return
+        if interactive:
+            confirm = input(
+                f"You have requested to force-release the {_plural(len(selection), 'lock')} "
+                "listed above.\n"
+                "Their holders keep running without the lock and only learn of it when\n"
+                "they next renew or finish. A lock that changes hands before you answer\n"
+                "is left to its new holder. Are you sure you want to do this?\n\n"
+                "    Type 'yes' to continue, or 'no' to cancel: "
+            )
+            if confirm != "yes":
+                self.stdout.write("Reset cancelled.")
+                return
+        released = 0
+        try:
+            for item in selection:
+                if reset_listed(item, using=alias):
+                    released += 1
+                else:
+                    self.stdout.write(
+                        self.style.WARNING(
+                            f"{item.held.name!r} was released or changed hands since it was "
+                            "listed; left alone."
+                        )
+                    )
+        finally:
+            # Also when Redis fails half-way: say how far the reset got.
+            selected = _plural(len(selection), "selected lock")
+            done = selected if released == len(selection) else f"{released} of the {selected}"
+            self.stdout.write(self.style.SUCCESS(f"Released {done} in cache {alias!r}."))
