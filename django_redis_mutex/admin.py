@@ -2,8 +2,8 @@
 
 The unmanaged :class:`~django_redis_mutex.models.Lock` model gives the page its
 place in the admin index and its permissions (``view_lock`` to look,
-``release_lock`` to force-release); every request is served by
-:mod:`django_redis_mutex.admin_views`, never by a database query.
+``release_lock`` to force-release a lock or reset a semaphore); every request is
+served by :mod:`django_redis_mutex.admin_views`, never by a database query.
 """
 
 from __future__ import annotations
@@ -47,6 +47,11 @@ class LockAdmin(admin.ModelAdmin):  # type: ignore[type-arg]
         return [
             path("", wrap(self.changelist_view), name="{}_{}_changelist".format(*info)),
             path("release/", wrap(self.release_view), name="{}_{}_release".format(*info)),
+            path(
+                "reset-semaphore/",
+                wrap(self.reset_semaphore_view),
+                name="{}_{}_reset_semaphore".format(*info),
+            ),
         ]
 
     def changelist_view(
@@ -57,3 +62,7 @@ class LockAdmin(admin.ModelAdmin):  # type: ignore[type-arg]
     def release_view(self, request: HttpRequest) -> HttpResponse:
         """Confirm (GET) and perform (POST) a force-release of the selected locks."""
         return admin_views.release_locks(request, self)
+
+    def reset_semaphore_view(self, request: HttpRequest) -> HttpResponse:
+        """Confirm (GET) and perform (POST) freeing every permit of the selected semaphores."""
+        return admin_views.reset_semaphores(request, self)

@@ -10,6 +10,12 @@ when it is confirmed, each with
 :func:`~django_redis_mutex.introspection.reset_listed`. The views are
 reached only through :class:`django_redis_mutex.admin.LockAdmin`, which wraps
 them with ``admin_site.admin_view`` (login, staff, CSRF, no caching).
+
+The same page lists the counting semaphores with a permit held (read with
+:func:`~django_redis_mutex.semaphore.held_semaphores`), one row per permit, and
+:func:`reset_semaphores` frees every permit of the chosen ones with
+:func:`~django_redis_mutex.semaphore.reset_semaphore`, behind the permission
+and the confirm-then-POST flow of a lock release.
 """
 
 from __future__ import annotations
@@ -39,11 +45,13 @@ from .introspection import (
     ensure_resettable,
     held_locks,
     listed_locks,
+    quorum_members,
     reset,
     reset_listed,
 )
 from .keys import validate_name
 from .models import Lock
+from .semaphore import HeldSemaphore, held_semaphores, reset_semaphore
 
 
 class LockAdmin(Protocol):
@@ -57,7 +65,7 @@ class LockAdmin(Protocol):
     def has_release_permission(self, request: HttpRequest) -> bool: ...
 
 
-__all__ = ["REFRESH_SECONDS", "lock_aliases", "lock_list", "release_locks"]
+__all__ = ["REFRESH_SECONDS", "lock_aliases", "lock_list", "release_locks", "reset_semaphores"]
 
 # How often the list reloads itself unless paused with ?refresh=0.
 REFRESH_SECONDS = 5
@@ -186,10 +194,22 @@ def _row(
         "acquired_at": held.acquired_at,
         "held_for": duration(held.held_for),
         "time_left": duration(held.time_left),
+        "held_for_parts": _wrap_points(duration(held.held_for)),
+        "time_left_parts": _wrap_points(duration(held.time_left)),
         "fence": held.fence,
         "waiters": held.waiters,
         "release_url": _url(release_url, using=using, name=held.name, **(filters or {})),
     }
+
+
+def _wrap_points(text: str) -> list[str]:
+    """Split a duration ("1 min 58 s") into the parts a narrow cell may wrap between.
+
+    Each part keeps a number with its unit ("1 min", "58 s"), so a column of
+    durations can take two lines instead of widening the table past the page.
+    """
+    words = text.split()
+    return [" ".join(words[i : i + 2]) for i in range(0, len(words), 2)]
 
 
 def _base_context(request: HttpRequest, model_admin: LockAdmin, title: str) -> dict[str, Any]:
@@ -227,6 +247,8 @@ def lock_list(
             "release_url": release_url,
             "locks": [],
             "total": 0,
+            "semaphores": [],
+            "semaphores_total": 0,
             "error": None,
         }
     )
@@ -253,6 +275,7 @@ def lock_list(
                 # would invite releasing the wrong ones: list nothing.
                 raise _BadFilter(filters.error_text())
             found = held_locks(using)
+            found_semaphores = _semaphores_of(using)
         except _BadFilter as exc:
             # Reloading would only repeat the error while the operator fixes it.
             context.update(error=str(exc), filter_error=True, refresh_seconds=0)
@@ -271,6 +294,12 @@ def lock_list(
             ]
             context["locks"] = [_row(h, release_url, using, chosen) for h in matching]
             context["total"] = len(found)
+            reset_url = _reset_semaphore_url(model_admin)
+            context.update(_semaphore_context(found_semaphores, reset_url, using, query))
+            # The holder filters select locks; a semaphore is listed unfiltered or not at all.
+            context["semaphores_hidden"] = bool(chosen) and bool(found_semaphores)
+            if chosen:
+                context["semaphores"] = []
     context.update(extra_context or {})
     request.current_app = model_admin.admin_site.name
     return TemplateResponse(request, "django_redis_mutex/admin/locks.html", context, status=status)
@@ -302,6 +331,11 @@ def _log_release(request: HttpRequest, name: str, using: str, held: HeldLock | N
         "alias": using,
         "details": _describe(held),
     }
+    _log_deletion(request, name, message)
+
+
+def _log_deletion(request: HttpRequest, name: str, message: str) -> None:
+    """Add a deletion entry for ``name`` to the admin history of the Lock model."""
     lock = Lock(name=name)
     user_id = request.user.pk
     if hasattr(LogEntry.objects, "log_actions"):  # Django 5.1+
@@ -498,3 +532,192 @@ def _perform_filtered_release(
             % {"count": released},
         )
     return HttpResponseRedirect(back)
+
+
+# -- semaphores ------------------------------------------------------------------
+
+
+def _reset_semaphore_url(model_admin: LockAdmin) -> str:
+    opts = model_admin.opts
+    return reverse(
+        f"admin:{opts.app_label}_{opts.model_name}_reset_semaphore",
+        current_app=model_admin.admin_site.name,
+    )
+
+
+def _semaphores_of(using: str) -> list[HeldSemaphore]:
+    """Return the semaphores with a permit held in ``using``; none for a quorum alias.
+
+    A semaphore lives on one Redis, never on a quorum of masters: its permits
+    are listed (and reset) through the member alias of that Redis, as in
+    ``manage.py locks``.
+    """
+    if quorum_members(using):
+        return []
+    return held_semaphores(using)
+
+
+def _semaphore_row(held: HeldSemaphore, reset_url: str, using: str) -> dict[str, Any]:
+    """Return what the templates show of one semaphore: its limit and one entry per permit."""
+    return {
+        "name": held.name,
+        "shown_name": terminal_safe(held.name),
+        "limit": "?" if held.limit is None else held.limit,
+        "held": len(held.holders),
+        "waiters": held.waiters,
+        "holders": [
+            {
+                "host": terminal_safe(holder.owner.host or ""),
+                "pid": "" if holder.owner.pid is None else holder.owner.pid,
+                "thread": terminal_safe(holder.owner.thread or ""),
+                "label": terminal_safe(holder.owner.label or ""),
+                "time_left": duration(holder.time_left),
+                "time_left_parts": _wrap_points(duration(holder.time_left)),
+            }
+            for holder in held.holders
+        ],
+        "reset_url": _url(reset_url, using=using, name=held.name),
+    }
+
+
+def _semaphore_context(
+    found: list[HeldSemaphore], reset_url: str, using: str, query: str
+) -> dict[str, Any]:
+    """Return the semaphore part of the list page: those matching the search, and the total."""
+    matching = [held for held in found if query.casefold() in held.name.casefold()]
+    return {
+        "semaphores": [_semaphore_row(held, reset_url, using) for held in matching],
+        "semaphores_total": len(found),
+        "reset_semaphore_url": reset_url,
+    }
+
+
+def reset_semaphores(request: HttpRequest, model_admin: LockAdmin) -> HttpResponse:
+    """Confirm (GET) and perform (POST) freeing every permit of the named semaphores.
+
+    Resetting a semaphore takes permits from their holders as a release takes a
+    lock, so it needs the same permission and goes through the same
+    confirmation page and CSRF-protected POST.
+    """
+    if request.method not in ("GET", "HEAD", "POST"):
+        return HttpResponseNotAllowed(["GET", "HEAD", "POST"])
+    if not (
+        model_admin.has_view_permission(request) and model_admin.has_release_permission(request)
+    ):
+        raise PermissionDenied
+    changelist_url, _release_url = _urls(model_admin)
+    data = request.POST if request.method == "POST" else request.GET
+    query = data.get("q", "")
+    try:
+        using = _chosen_alias(request, lock_aliases())
+    except _AliasError as exc:
+        context = _base_context(request, model_admin, _("Reset semaphores"))
+        context.update(error=str(exc), semaphores=[])
+        request.current_app = model_admin.admin_site.name
+        return TemplateResponse(
+            request, "django_redis_mutex/admin/semaphore_reset.html", context, status=404
+        )
+    back = _url(changelist_url, using=using, q=query)
+    names = _requested_names(data.getlist("name"))
+    if not names:
+        messages.warning(request, _("Select the semaphores to reset first."))
+        return HttpResponseRedirect(back)
+    if quorum_members(using):
+        messages.error(request, _quorum_has_no_semaphores(using))
+        return HttpResponseRedirect(back)
+    try:
+        held = {item.name: item for item in held_semaphores(using) if item.name in names}
+    except _REDIS_FAILURES as exc:
+        messages.error(request, _unavailable(using, exc))
+        return HttpResponseRedirect(back)
+    except ImproperlyConfigured as exc:
+        messages.error(request, str(exc))
+        return HttpResponseRedirect(back)
+    if request.method == "POST":
+        return _perform_semaphore_reset(request, names, using, held, back)
+    if not held:
+        messages.warning(request, _("None of the selected semaphores is held any more."))
+        return HttpResponseRedirect(back)
+    context = _base_context(request, model_admin, _("Reset semaphores"))
+    context.update(
+        {
+            "error": None,
+            "using": using,
+            "query": query,
+            "back_url": back,
+            "reset_semaphore_url": _reset_semaphore_url(model_admin),
+            "semaphores": [
+                _semaphore_row(held[n], _reset_semaphore_url(model_admin), using)
+                for n in names
+                if n in held
+            ],
+            "gone": [terminal_safe(n) for n in names if n not in held],
+        }
+    )
+    request.current_app = model_admin.admin_site.name
+    return TemplateResponse(request, "django_redis_mutex/admin/semaphore_reset.html", context)
+
+
+def _quorum_has_no_semaphores(using: str) -> str:
+    return _(
+        "Cache “%(alias)s” is a quorum: a semaphore lives on one Redis, so reset it "
+        "through the alias of that Redis."
+    ) % {"alias": using}
+
+
+def _perform_semaphore_reset(
+    request: HttpRequest,
+    names: list[str],
+    using: str,
+    held: dict[str, HeldSemaphore],
+    back: str,
+) -> HttpResponse:
+    """Free every permit of each named semaphore, saying how many each had."""
+    not_held = 0
+    try:
+        for name in names:
+            freed = reset_semaphore(name, using)
+            if not freed:
+                not_held += 1
+                continue
+            _log_semaphore_reset(request, name, using, freed, held.get(name))
+            messages.success(
+                request,
+                ngettext(
+                    "Reset semaphore “%(name)s”: freed %(count)d permit.",
+                    "Reset semaphore “%(name)s”: freed %(count)d permits.",
+                    freed,
+                )
+                % {"name": terminal_safe(name), "count": freed},
+            )
+    except _REDIS_FAILURES as exc:
+        messages.error(request, _unavailable(using, exc))
+    except (ValueError, ImproperlyConfigured) as exc:  # CACHES changed since the confirmation
+        messages.error(request, str(exc))
+    else:
+        if not_held:
+            messages.warning(
+                request,
+                ngettext(
+                    "%(count)d semaphore had no permit held any more.",
+                    "%(count)d semaphores had no permit held any more.",
+                    not_held,
+                )
+                % {"count": not_held},
+            )
+    return HttpResponseRedirect(back)
+
+
+def _log_semaphore_reset(
+    request: HttpRequest, name: str, using: str, freed: int, held: HeldSemaphore | None
+) -> None:
+    """Record one semaphore reset in the admin history, with the holders it was read with."""
+    holders = (
+        "; ".join(str(holder.owner) for holder in held.holders)
+        if held is not None
+        else _("holders unknown: none was held when the page was read")
+    )
+    message = _(
+        "Reset semaphore “%(name)s” in cache “%(alias)s”, freeing %(count)d permits (%(holders)s)."
+    ) % {"name": name, "alias": using, "count": freed, "holders": holders}
+    _log_deletion(request, name, message)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import os
 import re
@@ -9,6 +10,7 @@ import select
 import socket
 import subprocess
 import sys
+import threading
 from collections.abc import Callable, Iterator
 
 import pytest
@@ -18,16 +20,17 @@ from django.contrib.auth.models import Permission
 from django.contrib.contenttypes.models import ContentType
 from django.test import Client, override_settings
 
-from django_redis_mutex import Mutex, mutex
+from django_redis_mutex import LockLost, LockNotOwned, Mutex, Semaphore, held_semaphores, mutex
 from django_redis_mutex.models import Lock
 from django_redis_mutex.testing import free_port
 
-from .helpers import ROOT
+from .helpers import ROOT, wait_until
 
 pytestmark = pytest.mark.django_db
 
 LIST_URL = "/admin/django_redis_mutex/lock/"
 RELEASE_URL = LIST_URL + "release/"
+RESET_SEMAPHORE_URL = LIST_URL + "reset-semaphore/"
 
 
 def _login(django_user_model, *codenames: str, csrf: bool = False) -> Client:
@@ -473,3 +476,203 @@ def test_selection_outside_the_filter_goes_back_to_the_list(releaser, hold):
         "None of the selected locks matches the filter."
     ]
     assert lock.owned()
+
+
+# -- semaphores ----------------------------------------------------------------------
+
+
+@pytest.fixture
+def permit() -> Iterator[Callable[..., Semaphore]]:
+    """Return a function taking one permit of a semaphore; give back those still held at the end.
+
+    No watchdog, so nothing renews a permit the test reset behind its holder's back.
+    """
+    taken: list[Semaphore] = []
+
+    def take(name: str, limit: int, **options: object) -> Semaphore:
+        handle = Semaphore(name, limit, watchdog=False, ttl=60, **options)
+        assert handle.acquire(blocking=False)
+        taken.append(handle)
+        return handle
+
+    yield take
+    for handle in taken:
+        if handle.token is not None:
+            with contextlib.suppress(LockLost, LockNotOwned):
+                handle.release()
+
+
+def _semaphore_rows(response) -> dict[str, dict]:
+    return {row["name"]: row for row in response.context["semaphores"]}
+
+
+@contextlib.contextmanager
+def _waiter(name: str, limit: int) -> Iterator[dict[str, object]]:
+    """Wait for a permit of ``name`` in a thread; yield what it got once it is in line."""
+    got: dict[str, object] = {}
+
+    def wait() -> None:
+        handle = Semaphore(name, limit, watchdog=False, ttl=60)
+        got["acquired"] = handle.acquire(timeout=30)
+        got["handle"] = handle
+
+    thread = threading.Thread(target=wait)
+    thread.start()
+    try:
+        wait_until(lambda: [s.waiters for s in held_semaphores()] == [1], 10, "a waiter in line")
+        yield got
+    finally:
+        thread.join(40)
+        handle = got.get("handle")
+        if isinstance(handle, Semaphore) and handle.token is not None:
+            with contextlib.suppress(LockLost, LockNotOwned):
+                handle.release()
+
+
+def test_viewer_sees_each_permit_holder_of_a_semaphore(viewer, permit):
+    permit("exports", 3, label="nightly export")
+    permit("exports", 3, label="hourly export")
+    response = viewer.get(LIST_URL)
+    assert response.status_code == 200
+    row = _semaphore_rows(response)["exports"]
+    assert (row["limit"], row["held"], row["waiters"]) == (3, 2, 0)
+    assert sorted(h["label"] for h in row["holders"]) == ["hourly export", "nightly export"]
+    assert {h["pid"] for h in row["holders"]} == {os.getpid()}
+    assert {h["host"] for h in row["holders"]} == {socket.gethostname()}
+    assert all(h["time_left"].endswith(" s") for h in row["holders"])
+    html = response.content.decode()
+    assert html.count('data-semaphore="exports"') == 2  # one row per permit
+    assert "nightly export" in html and "2 / 3" in html
+    assert RESET_SEMAPHORE_URL not in html  # a viewer may not reset
+
+
+def test_semaphore_waiters_are_listed(viewer, permit):
+    holder = permit("exports", 1)
+    with _waiter("exports", 1) as got:
+        row = _semaphore_rows(viewer.get(LIST_URL))["exports"]
+        assert (row["held"], row["waiters"]) == (1, 1)
+        holder.release()
+    assert got["acquired"] is True
+
+
+def test_search_narrows_semaphores_by_name(viewer, permit):
+    permit("exports", 2)
+    permit("imports", 2)
+    response = viewer.get(LIST_URL, {"q": "imp"})
+    assert list(_semaphore_rows(response)) == ["imports"]
+    assert response.context["semaphores_total"] == 2
+
+
+def test_holder_filter_lists_no_semaphore_and_says_why(viewer, permit):
+    permit("exports", 2)
+    response = viewer.get(LIST_URL, {"host": socket.gethostname()})
+    assert response.context["semaphores"] == []
+    assert "Semaphores are not listed under a holder filter" in response.content.decode()
+
+
+def test_no_semaphore_held_is_said_on_the_page(viewer):
+    response = viewer.get(LIST_URL)
+    assert response.context["semaphores"] == []
+    assert "No semaphore has a permit held in this cache." in response.content.decode()
+
+
+def test_releaser_gets_a_reset_link_per_semaphore(releaser, permit):
+    permit("jobs:9", 2)
+    row = _semaphore_rows(releaser.get(LIST_URL))["jobs:9"]
+    assert row["reset_url"] == RESET_SEMAPHORE_URL + "?using=default&name=jobs%3A9"
+
+
+@pytest.mark.parametrize("method", ["get", "post"])
+def test_viewer_without_release_permission_is_forbidden_to_reset(viewer, method, permit):
+    held = permit("exports", 1)
+    response = getattr(viewer, method)(RESET_SEMAPHORE_URL, {"name": "exports"})
+    assert response.status_code == 403
+    assert [h.token for s in held_semaphores() for h in s.holders] == [held.token]
+
+
+def test_reset_confirmation_lists_holders_and_keeps_them(releaser, permit):
+    held = permit("exports", 2, label="nightly export")
+    response = releaser.get(RESET_SEMAPHORE_URL, {"name": "exports"})
+    assert response.status_code == 200
+    assert [row["name"] for row in response.context["semaphores"]] == ["exports"]
+    html = response.content.decode()
+    assert "nightly export" in html and "1 of 2 permits held" in html
+    assert 'name="csrfmiddlewaretoken"' in html
+    assert [h.token for s in held_semaphores() for h in s.holders] == [held.token]
+
+
+def test_reset_post_without_csrf_token_is_rejected(releaser, permit):
+    held = permit("exports", 1)
+    response = releaser.post(RESET_SEMAPHORE_URL, {"name": "exports"})
+    assert response.status_code == 403
+    assert [h.token for s in held_semaphores() for h in s.holders] == [held.token]
+
+
+def test_confirmed_reset_frees_every_permit_and_is_recorded(releaser, permit, hold):
+    lock = hold("exports")  # a lock of the same name is another thing, and stays
+    first = permit("exports", 2, label="nightly export")
+    permit("exports", 2)
+    page = releaser.get(RESET_SEMAPHORE_URL, {"name": "exports"})
+    response = releaser.post(
+        RESET_SEMAPHORE_URL,
+        {"name": "exports", "csrfmiddlewaretoken": _csrf_token(page.content.decode())},
+        follow=True,
+    )
+    assert response.redirect_chain == [(LIST_URL + "?using=default", 302)]
+    assert [str(m) for m in response.context["messages"]] == [
+        "Reset semaphore “exports”: freed 2 permits."
+    ]
+    assert response.context["semaphores"] == []
+    assert held_semaphores() == []
+    assert lock.owned()
+    with pytest.raises(LockLost):
+        first.release()
+    assert permit("exports", 1)  # a fresh acquire succeeds
+    entry = LogEntry.objects.get()
+    assert (entry.object_repr, entry.action_flag) == ("exports", DELETION)
+    assert "Reset semaphore “exports” in cache “default”, freeing 2 permits" in (
+        entry.change_message
+    )
+    assert "nightly export" in entry.change_message
+
+
+def test_reset_hands_the_freed_permit_to_the_waiter(releaser, permit):
+    permit("exports", 1)
+    with _waiter("exports", 1) as got:
+        page = releaser.get(RESET_SEMAPHORE_URL, {"name": "exports"})
+        releaser.post(
+            RESET_SEMAPHORE_URL,
+            {"name": "exports", "csrfmiddlewaretoken": _csrf_token(page.content.decode())},
+        )
+        wait_until(lambda: "acquired" in got, 10, "the waiter to get the freed permit")
+        assert got["acquired"] is True
+        [held] = held_semaphores()
+        assert [h.token for h in held.holders] == [got["handle"].token]
+
+
+def test_reset_of_semaphore_no_longer_held_says_so(releaser, permit):
+    held = permit("exports", 1)
+    page = releaser.get(RESET_SEMAPHORE_URL, {"name": "exports"})
+    held.release()
+    response = releaser.post(
+        RESET_SEMAPHORE_URL,
+        {"name": "exports", "csrfmiddlewaretoken": _csrf_token(page.content.decode())},
+        follow=True,
+    )
+    assert [str(m) for m in response.context["messages"]] == [
+        "1 semaphore had no permit held any more."
+    ]
+    assert not LogEntry.objects.exists()
+
+
+def test_reset_of_semaphore_not_held_goes_back_to_the_list(releaser):
+    response = releaser.get(RESET_SEMAPHORE_URL, {"name": "never-taken"}, follow=True)
+    assert [str(m) for m in response.context["messages"]] == [
+        "None of the selected semaphores is held any more."
+    ]
+
+
+def test_reset_in_unknown_alias_is_explained(releaser):
+    response = releaser.get(RESET_SEMAPHORE_URL, {"name": "exports", "using": "nope"})
+    assert response.status_code == 404
+    assert "Cache alias “nope” does not carry locks" in response.context["error"]

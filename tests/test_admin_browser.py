@@ -10,6 +10,7 @@ in its own thread.
 
 from __future__ import annotations
 
+import contextlib
 import os
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -19,7 +20,7 @@ from typing import Any
 import pytest
 from django.contrib.admin.models import DELETION, LogEntry
 
-from django_redis_mutex import Mutex, held_locks
+from django_redis_mutex import LockLost, LockNotOwned, Mutex, Semaphore, held_locks
 
 from .helpers import ROOT
 
@@ -35,6 +36,8 @@ CHROMIUM_ARGS = [
     "--no-first-run",
 ]
 LIST_URL = "/admin/django_redis_mutex/lock/"
+# The narrowest desktop the page is laid out for, with the admin sidebar open.
+NARROW_VIEWPORT = {"width": 1280, "height": 800}
 # README's picture; rewritten only when asked, so a test run leaves the tree clean.
 README_SCREENSHOT = ROOT / "docs" / "admin-locks.png"
 PASSWORD = "browser-test"
@@ -179,3 +182,75 @@ def test_release_of_one_hosts_locks_keeps_the_other_hosts_lock(
     assert web1.let_go() == "lost"
     assert web2.let_go() == "released"
     assert LogEntry.objects.get().object_repr == "cache:web1"
+
+
+@pytest.fixture
+def permit() -> Iterator[Any]:
+    """Return a function taking one semaphore permit (no watchdog); give back what is left."""
+    taken: list[Semaphore] = []
+
+    def take(name: str, limit: int, label: str) -> Semaphore:
+        handle = Semaphore(name, limit, label=label, ttl=120, watchdog=False)
+        assert handle.acquire(blocking=False)
+        taken.append(handle)
+        return handle
+
+    yield take
+    for handle in taken:
+        if handle.token is not None:
+            with contextlib.suppress(LockLost, LockNotOwned):  # reset by the test
+                handle.release()
+
+
+def test_superuser_resets_a_semaphore_in_browser(playwright_api, live_server, admin_user, permit):
+    expect = playwright_api.expect
+    holder = permit("exports:pool", 1, "nightly export")
+    assert not Semaphore("exports:pool", 1).acquire(blocking=False)  # the one permit is taken
+
+    with logged_in_page(playwright_api, live_server.url, admin_user) as page:
+        row = page.locator('tr.semaphore-row[data-semaphore="exports:pool"]')
+        expect(row.locator("td.field-label")).to_have_text("nightly export")
+        expect(row.locator("td.field-pid")).to_have_text(str(os.getpid()))
+        expect(row.locator("td.field-permits")).to_have_text("1 / 1")
+        row.locator("a.reset-semaphore").click()
+
+        expect(page.locator("#reset-list li.reset-item")).to_have_count(1)
+        expect(page.locator("#reset-list")).to_contain_text("nightly export")
+        page.click("#confirm-reset")
+
+        expect(page.locator("ul.messagelist")).to_contain_text(
+            "Reset semaphore “exports:pool”: freed 1 permit."
+        )
+        expect(page.locator("tr.semaphore-holder")).to_have_count(0)
+        expect(page.locator("#no-semaphores")).to_contain_text("No semaphore has a permit held")
+
+    fresh = permit("exports:pool", 1, "after the reset")  # the permit is free again
+    assert fresh.token is not None
+    with pytest.raises(LockLost):
+        holder.release()
+    entry = LogEntry.objects.get()
+    assert (entry.object_repr, entry.action_flag) == ("exports:pool", DELETION)
+
+
+def test_locks_and_semaphores_fit_1280_pixels(
+    playwright_api, live_server, admin_user, hold, permit
+):
+    expect = playwright_api.expect
+    hold("inventory:warehouse-7", "held on purpose by the nightly inventory reconciliation")
+    for label in ("nightly export of every tenant's invoices", "hourly export"):
+        permit("exports:tenant-invoices", 3, label)
+
+    with logged_in_page(playwright_api, live_server.url, admin_user) as page:
+        page.set_viewport_size(NARROW_VIEWPORT)
+        expect(page.locator("#nav-sidebar")).to_be_visible()  # the sidebar takes its width
+        expect(page.locator("tr.semaphore-holder")).to_have_count(2)
+        right_edge = NARROW_VIEWPORT["width"]
+        for box_selector in ("#changelist .results", "#semaphores .semaphore-results"):
+            box = page.locator(box_selector)  # one of each: strict locators fail otherwise
+            scroll_width, client_width = box.evaluate("b => [b.scrollWidth, b.clientWidth]")
+            assert scroll_width <= client_width, (box_selector, scroll_width, client_width)
+        for cell in ("a.reset-semaphore", "td.field-waiters", "td.field-time-left"):
+            edge = page.locator(f"tr.semaphore-row {cell}").bounding_box()
+            assert edge is not None, cell
+            assert edge["x"] + edge["width"] <= right_edge, (cell, edge)
+        assert page.evaluate("document.documentElement.scrollWidth") <= right_edge

@@ -28,7 +28,15 @@ from django.conf import settings as django_settings
 from django.core.cache import caches
 from django.core.management import CommandError, call_command
 
-from django_redis_mutex import HeldLock, LockNotOwned, Mutex, held_locks
+from django_redis_mutex import (
+    HeldLock,
+    LockLost,
+    LockNotOwned,
+    Mutex,
+    Semaphore,
+    held_locks,
+    held_semaphores,
+)
 from django_redis_mutex.management.commands.locks import describe_redis
 from django_redis_mutex.testing import free_port
 
@@ -146,8 +154,10 @@ def test_json_is_an_array_of_heldlock_fields(held: list[Mutex]) -> None:
     second = hold(held, "a-lock")
     data = json.loads(locks("--json"))
     assert [item["name"] for item in data] == ["a-lock", "b-lock"]
-    # Every HeldLock field, plus "ttl": time_left under its old name, for one release.
-    assert all(set(item) == {f.name for f in fields(HeldLock)} | {"ttl"} for item in data)
+    # Every HeldLock field, plus "ttl": time_left under its old name, for one release,
+    # and the kind that tells a lock from a semaphore.
+    assert all(set(item) == {f.name for f in fields(HeldLock)} | {"ttl", "kind"} for item in data)
+    assert {item["kind"] for item in data} == {"lock"}
     item = data[1]
     assert item["owner"] == {
         "host": item["owner"]["host"],
@@ -532,3 +542,141 @@ def test_bad_duration_from_the_command_line_is_one_line_on_stderr() -> None:
     assert result.stdout == ""
     [line] = result.stderr.splitlines()
     assert line.startswith("CommandError: --older-than 'soon' is not a duration: ")
+
+
+# -- semaphores ------------------------------------------------------------
+
+
+@pytest.fixture
+def permits(settings: Any) -> Iterator[list[Semaphore]]:
+    """Collect semaphore handles a test acquires; give back those still held at the end."""
+    handles: list[Semaphore] = []
+    yield handles
+    for handle in handles:
+        if handle.token is not None:
+            with contextlib.suppress(LockLost, LockNotOwned):
+                handle.release()
+
+
+def take_permit(permits: list[Semaphore], name: str, limit: int, **options: Any) -> Semaphore:
+    """Take one permit of ``name`` (no watchdog: a reset is not undone by a renewal)."""
+    handle = Semaphore(name, limit, ttl=60, watchdog=False, **options)
+    assert handle.acquire(blocking=False)
+    permits.append(handle)
+    return handle
+
+
+def test_json_lists_semaphores_after_locks_with_kind_limit_and_holders(
+    held: list[Mutex], permits: list[Semaphore]
+) -> None:
+    hold(held, "reports")
+    take_permit(permits, "exports", 3, label="nightly")
+    take_permit(permits, "exports", 3, label="hourly")
+    data = json.loads(locks("--json"))
+    assert [(item["kind"], item["name"]) for item in data] == [
+        ("lock", "reports"),
+        ("semaphore", "exports"),
+    ]
+    exports = data[1]
+    assert (exports["limit"], exports["waiters"]) == (3, 0)
+    assert sorted(h["owner"]["label"] for h in exports["holders"]) == ["hourly", "nightly"]
+    assert {h["owner"]["pid"] for h in exports["holders"]} == {os.getpid()}
+    assert all(0 < h["time_left"] <= 60 for h in exports["holders"])
+    assert {h["token"] for h in exports["holders"]} == {p.token for p in permits}
+
+
+def test_json_with_a_filter_lists_locks_only(hold_on_host: Any, permits: list[Semaphore]) -> None:
+    web1 = hold_on_host("deploy:web1", "web1")
+    take_permit(permits, "exports", 2)
+    data = json.loads(locks("--json", "--host", "web1"))
+    assert [(item["kind"], item["name"]) for item in data] == [("lock", "deploy:web1")]
+    assert web1.let_go() == "released"
+
+
+def test_reset_semaphore_frees_every_permit_and_keeps_the_lock_of_that_name(
+    held: list[Mutex], permits: list[Semaphore]
+) -> None:
+    lock = hold(held, "jobs")
+    first = take_permit(permits, "jobs", 2)
+    take_permit(permits, "jobs", 2)
+    assert not Semaphore("jobs", 2).acquire(blocking=False)  # both permits taken
+    out = locks("--reset-semaphore", "jobs")
+    assert out.splitlines() == ["Reset semaphore 'jobs': freed 2 permits."]
+    assert held_semaphores() == []
+    assert lock.owned()
+    with pytest.raises(LockLost):
+        first.release()
+    fresh = [Semaphore("jobs", 2, watchdog=False) for _ in range(2)]
+    assert all(handle.acquire(blocking=False) for handle in fresh)
+    permits.extend(fresh)
+
+
+def test_reset_of_a_lock_leaves_the_semaphore_of_that_name(
+    held: list[Mutex], permits: list[Semaphore]
+) -> None:
+    hold(held, "jobs")
+    permit = take_permit(permits, "jobs", 1)
+    assert locks("--reset", "jobs").splitlines() == ["Released 'jobs'."]
+    assert [(s.name, [h.token for h in s.holders]) for s in held_semaphores()] == [
+        ("jobs", [permit.token])
+    ]
+
+
+def test_reset_semaphore_of_a_name_not_held_fails_after_resetting_the_others(
+    permits: list[Semaphore],
+) -> None:
+    take_permit(permits, "exports", 1)
+    out = StringIO()
+    with pytest.raises(CommandError) as raised:
+        call_command("locks", "--reset-semaphore", "exports", "exprots", stdout=out)
+    assert str(raised.value) == (
+        "No permit of semaphore 'exprots' is held in cache 'default'; nothing reset."
+    )
+    assert out.getvalue().splitlines() == ["Reset semaphore 'exports': freed 1 permit."]
+    assert held_semaphores() == []
+
+
+def test_reset_semaphore_of_a_lock_name_points_to_reset(held: list[Mutex]) -> None:
+    lock = hold(held, "payments")
+    with pytest.raises(CommandError, match=r"A lock of that name is held: use --reset 'payments'"):
+        locks("--reset-semaphore", "payments")
+    assert lock.owned()
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--reset-semaphore", ""], "Lock name must not be empty"),
+        (["--reset-semaphore", "a", "--host", "web1"], "--reset-semaphore takes semaphore names"),
+        (["--reset-semaphore", "a", "--reset", "a"], "argument --reset: not allowed with"),
+    ],
+)
+def test_bad_reset_semaphore_is_a_command_error(args: list[str], message: str) -> None:
+    with pytest.raises(CommandError) as raised:
+        locks(*args)
+    assert message in str(raised.value)
+
+
+def test_reset_semaphore_of_a_name_not_held_exits_non_zero_from_the_command_line() -> None:
+    result = _manage("--reset-semaphore", "never-taken")
+    assert result.returncode == 1
+    assert result.stdout == ""
+    assert result.stderr.splitlines() == [
+        "CommandError: No permit of semaphore 'never-taken' is held in cache 'default'; "
+        "nothing reset."
+    ]
+
+
+def test_reset_all_releases_locks_and_leaves_semaphores_saying_so(
+    held: list[Mutex], permits: list[Semaphore]
+) -> None:
+    lock = hold(held, "reports")
+    permit = take_permit(permits, "exports", 2)
+    out = locks("--reset-all", "--noinput")
+    assert out.splitlines() == [
+        "Released 1 lock in cache 'default'.",
+        "1 semaphore with permits held left alone "
+        "(--reset-all releases locks only; use --reset-semaphore NAME).",
+    ]
+    assert not lock.owned()
+    assert [h.token for s in held_semaphores() for h in s.holders] == [permit.token]

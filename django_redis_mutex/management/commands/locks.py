@@ -16,6 +16,13 @@ what is printed after it. ``--json`` keeps the exact values (JSON escapes them).
 ``--reset-all`` to the locks a :class:`~django_redis_mutex.filters.LockFilter`
 matches. A filtered reset shows its selection first and resets each lock only
 while the acquisition that was listed still holds it.
+
+Counting semaphores are listed too, unless a filter is given (the filters
+select locks): below the table, and in ``--json`` as entries whose ``kind`` is
+``"semaphore"`` (every lock entry has ``"kind": "lock"``). A semaphore is reset
+only by ``--reset-semaphore NAME``, never by ``--reset`` or ``--reset-all``, so a
+lock and a semaphore of the same name are never confused and clearing stuck
+locks never takes permits from their holders.
 """
 
 from __future__ import annotations
@@ -42,7 +49,12 @@ from django_redis_mutex.introspection import (
     reset_all,
     reset_listed,
 )
-from django_redis_mutex.semaphore import semaphore_lines
+from django_redis_mutex.semaphore import (
+    HeldSemaphore,
+    held_semaphores,
+    reset_semaphore,
+    semaphore_lines,
+)
 
 COLUMNS = ("NAME", "HOST", "PID", "THREAD", "LABEL", "HELD FOR", "TIME LEFT", "FENCE", "WAITERS")
 
@@ -101,6 +113,18 @@ def table_rows(locks: list[HeldLock]) -> list[tuple[str, ...]]:
     ]
 
 
+def json_entries(locks: list[HeldLock], semaphores: list[HeldSemaphore]) -> list[dict[str, Any]]:
+    """Return the ``--json`` array: the locks, then the semaphores, each tagged with its kind.
+
+    One array, as before semaphores were listed, so a reader of locks only
+    keeps working by skipping entries whose ``kind`` is not ``"lock"``.
+    """
+    return [
+        *({"kind": "lock", **lock.as_dict()} for lock in locks),
+        *({"kind": "semaphore", **held.as_dict()} for held in semaphores),
+    ]
+
+
 def _plural(count: int, word: str) -> str:
     return f"{count} {word}" if count == 1 else f"{count} {word}s"
 
@@ -129,7 +153,10 @@ class Command(BaseCommand):
         action.add_argument(
             "--json",
             action="store_true",
-            help="Prints the held locks as a JSON array instead of a table.",
+            help=(
+                'Prints the held locks and semaphores as a JSON array (each entry\'s "kind" '
+                'is "lock" or "semaphore") instead of a table.'
+            ),
         )
         action.add_argument(
             "--reset",
@@ -138,9 +165,21 @@ class Command(BaseCommand):
             help="Force-releases the named locks, saying which of them were held.",
         )
         action.add_argument(
+            "--reset-semaphore",
+            nargs="+",
+            metavar="NAME",
+            help=(
+                "Frees every permit of the named semaphores; fails naming those with no "
+                "permit held."
+            ),
+        )
+        action.add_argument(
             "--reset-all",
             action="store_true",
-            help="Force-releases every lock of this app in the cache alias.",
+            help=(
+                "Force-releases every lock of this app in the cache alias; semaphores are "
+                "left alone (see --reset-semaphore)."
+            ),
         )
         selection = parser.add_argument_group(
             "filters",
@@ -170,14 +209,17 @@ class Command(BaseCommand):
     def handle(self, *args: Any, **options: Any) -> None:
         alias: str = options["using"]
         lock_filter = self.lock_filter(options)
-        if lock_filter and options["reset"]:
-            raise CommandError(
-                "--reset takes lock names; the filters "
-                f"({', '.join(map(_flag, FILTER_FIELDS))}) go with a listing or --reset-all."
-            )
+        for names_option, kind in (("reset", "lock"), ("reset_semaphore", "semaphore")):
+            if lock_filter and options[names_option]:
+                raise CommandError(
+                    f"{_flag(names_option)} takes {kind} names; the filters "
+                    f"({', '.join(map(_flag, FILTER_FIELDS))}) go with a listing or --reset-all."
+                )
         with self.lock_errors(alias):
             if options["reset"]:
                 self.reset_names(alias, options["reset"])
+            elif options["reset_semaphore"]:
+                self.reset_semaphore_names(alias, options["reset_semaphore"])
             elif options["reset_all"] and lock_filter:
                 self.reset_selection(alias, lock_filter, interactive=options["interactive"])
             elif options["reset_all"]:
@@ -186,12 +228,57 @@ class Command(BaseCommand):
                 found = held_locks(using=alias)
                 locks = [lock for lock in found if lock_filter.matches(lock)]
                 if options["json"]:
-                    self.stdout.write(json.dumps([lock.as_dict() for lock in locks], indent=2))
+                    semaphores = [] if lock_filter else self.semaphores(alias)
+                    self.stdout.write(json.dumps(json_entries(locks, semaphores), indent=2))
                 else:
                     self.show_table(alias, locks, lock_filter, total=len(found))
                     if not lock_filter and not quorum_members(alias):
                         for line in semaphore_lines(alias):
                             self.stdout.write(terminal_safe(line))
+
+    def semaphores(self, alias: str) -> list[HeldSemaphore]:
+        """Return the semaphores held in ``alias``; none for a quorum alias.
+
+        A semaphore lives on one Redis, never on a quorum of masters: the member
+        alias of that Redis lists it.
+        """
+        return [] if quorum_members(alias) else held_semaphores(using=alias)
+
+    def reset_semaphore_names(self, alias: str, names: list[str]) -> None:
+        """Free every permit of each named semaphore; fail naming those with none held.
+
+        A name with no permit held is most often a typo or a lock's name: the
+        command exits non-zero so a script notices, after resetting the others.
+        """
+        if quorum_members(alias):
+            raise CommandError(
+                f"Cache {alias!r} is a quorum: a semaphore lives on one Redis, so reset it "
+                "through the alias of that Redis."
+            )
+        missing = []
+        for name in names:
+            freed = reset_semaphore(name, using=alias)
+            if freed:
+                self.stdout.write(
+                    self.style.SUCCESS(
+                        f"Reset semaphore {terminal_safe(name)!r}: "
+                        f"freed {_plural(freed, 'permit')}."
+                    )
+                )
+            else:
+                missing.append(name)
+        if missing:
+            raise CommandError(self.not_held_semaphores(alias, missing))
+
+    def not_held_semaphores(self, alias: str, names: list[str]) -> str:
+        """Say which semaphores had no permit held, and which of those names are held locks."""
+        shown = ", ".join(repr(terminal_safe(name)) for name in names)
+        message = f"No permit of semaphore {shown} is held in cache {alias!r}; nothing reset."
+        locks = sorted({lock.name for lock in held_locks(using=alias)} & set(names))
+        if locks:
+            as_locks = " ".join(repr(terminal_safe(name)) for name in locks)
+            message += f" A lock of that name is held: use --reset {as_locks}."
+        return message
 
     def lock_filter(self, options: dict[str, Any]) -> LockFilter:
         """Return the filter the options ask for; a bad value is a CommandError naming its flag."""
@@ -298,6 +385,12 @@ class Command(BaseCommand):
         count = reset_all(using=alias)
         released = f"Released {_plural(count, 'lock')} in cache {alias!r}."
         self.stdout.write(self.style.SUCCESS(released))
+        kept = self.semaphores(alias)
+        if kept:
+            self.stdout.write(
+                f"{_plural(len(kept), 'semaphore')} with permits held left alone "
+                "(--reset-all releases locks only; use --reset-semaphore NAME)."
+            )
 
     def reset_selection(self, alias: str, lock_filter: LockFilter, *, interactive: bool) -> None:
         """Reset the locks ``lock_filter`` selects, each only while its listed holder has it."""
