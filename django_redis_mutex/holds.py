@@ -29,8 +29,9 @@ import time
 from contextvars import ContextVar
 from dataclasses import dataclass, field
 from functools import cache, lru_cache
-from typing import Any
+from typing import Any, ClassVar
 
+from . import scripts
 from .keys import LockKeys
 
 __all__ = [
@@ -219,6 +220,22 @@ class Hold:
         self.lost = True
         self.lost_reason = reason
         return True
+
+    # -- what the watchdog asks of everything it renews (watchdog.Renewable) --
+
+    kind: ClassVar[str] = "lock"
+
+    def renewal(self, key: str, ttl: float) -> tuple[scripts.LuaScript, tuple[str, ...], list[Any]]:
+        """Return the script, keys and arguments that renew the lock ``key`` to ``ttl``."""
+        return scripts.EXTEND, (key,), [self.token, int(ttl * 1000)]
+
+    def describe(self) -> str:
+        """Name the hold in log lines."""
+        return f"Lock {self.name!r} (fence {self.fence})"
+
+    def lost_signal(self, held: float) -> dict[str, Any]:
+        """Return the ``lock_lost`` keyword arguments for this hold."""
+        return {"name": self.name, "fence": self.fence, "held": held}
 
 
 @dataclass(eq=False, slots=True)

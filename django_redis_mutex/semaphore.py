@@ -15,10 +15,12 @@ ends, so a lost wake-up or a dead holder costs it at most that long.
 Each operation is written once as steps (see :mod:`django_redis_mutex.driver`)
 driven by the sync methods and by their ``a``-prefixed async twins.
 
-Renewal has a path of its own: one renewer thread per process (re-created in
-a forked child) renews every permit held with ``watchdog=True`` a third into
-its lease with :data:`~.semaphore_scripts.SEM_EXTEND`, which never re-creates
-a permit whose lease ended.
+A permit held with ``watchdog=True`` is renewed by the lock watchdog
+(:mod:`django_redis_mutex.watchdog`): the lane of its cache alias renews it a
+third into its lease with :data:`~.semaphore_scripts.SEM_EXTEND` (which never
+re-creates a permit whose lease ended), in the same pipeline as the locks due
+on that Redis, and stops at ``MAX_HOLD``. A permit found gone is marked lost
+and ``lock_lost`` is sent with ``kind="semaphore"``.
 
 .. versionadded:: 0.1.0
 """
@@ -28,7 +30,6 @@ from __future__ import annotations
 import inspect
 import logging
 import math
-import os
 import secrets
 import threading
 import time
@@ -36,7 +37,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from functools import lru_cache, wraps
-from typing import Any, Literal, TypeVar, cast
+from typing import Any, ClassVar, Literal, TypeVar, cast
 
 from redis import exceptions as redis_errors
 
@@ -46,7 +47,7 @@ from .conf import get_settings, validate_timeout, validate_ttl
 from .decorators import EnteredHandles, MutexContext
 from .driver import REDIS_TICK, AsyncDriver, Pop, Script, Steps, run_steps
 from .exceptions import LockContended, LockLost, LockNotOwned
-from .holds import decode, owner_metadata
+from .holds import Lease, decode, owner_metadata
 from .keys import escape_name, glob_escape, unescape_name, validate_label, validate_name
 from .lock import DEFAULT
 from .owners import Owner, parse_owner
@@ -59,6 +60,7 @@ from .semaphore_scripts import (
     SEM_RESET,
     SEM_WAKE,
 )
+from .watchdog import announce_lost, get_watchdog
 
 __all__ = [
     "HeldSemaphore",
@@ -167,22 +169,87 @@ def _wake_steps(alias: str, keys: SemaphoreKeys, woken: list[Any]) -> Steps[None
         yield Script(alias, SEM_WAKE, (keys.holders, keys.wake(token)), [token], best_effort=True)
 
 
-@dataclass
+@dataclass(eq=False)
 class _Permit:
-    """One permit this handle holds: its token and the lease Redis confirmed."""
+    """One permit a handle holds, as the watchdog renews it (a ``watchdog.Renewable``).
 
+    Its lease is bounded from when the command that granted or renewed it was
+    sent, as a lock's hold is.
+    """
+
+    alias: str
+    name: str
     token: str
-    sent: float  # monotonic send time of the command that set the lease
-    ttl: float
+    keys: tuple[str, ...]  # KEYS[1..6] of SEM_EXTEND
+    limit: int
+    ttl: float  # the lease renewals ask for
     acquired_at: float
+    max_hold: float | None
     # The waiter first in line when the permit was granted: the release
     # declares its wake-up list, to wake it in the same script.
     successor: str | None = None
+    quorum: int = 1
+    active: bool = True
     lost: bool = False
+    lost_reason: str = ""
+    expires_at: float = -math.inf
+    targets: tuple[tuple[str, str], ...] = ()
+    leases: dict[str, Lease] = field(default_factory=dict)
+    refused: set[str] = field(default_factory=set)
+    retry_at: dict[str, float] = field(default_factory=dict)
+
+    kind: ClassVar[str] = "semaphore"
+    strict: ClassVar[bool] = False  # one Redis: a late renewal that finds us proves we kept it
+
+    def __post_init__(self) -> None:
+        self.targets = ((self.alias, self.keys[0]),)
 
     @property
-    def ends(self) -> float:
-        return self.sent + self.ttl
+    def doomed(self) -> bool:
+        return bool(self.refused)
+
+    def confirm(self, alias: str, sent: float, ttl: float) -> None:
+        previous = self.leases.get(alias)
+        if previous is None or sent >= previous.sent:
+            self.leases[alias] = Lease(sent, ttl)  # the command sent last set the expiry
+            self.expires_at = sent + ttl
+        self.retry_at.pop(alias, None)
+
+    def refuse(self, alias: str) -> None:
+        self.leases.pop(alias, None)
+        self.refused.add(alias)
+        self.expires_at = -math.inf
+
+    def failed(self, alias: str, retry_at: float) -> None:
+        self.retry_at[alias] = retry_at
+
+    def valid(self, now: float | None = None) -> bool:
+        return (time.monotonic() if now is None else now) < self.expires_at
+
+    def next_renewal(self, alias: str) -> float:
+        if alias in self.refused:
+            return math.inf
+        lease = self.leases.get(alias)
+        due = 0.0
+        if lease is not None and not lease.renew_now:
+            due = lease.sent + min(lease.ttl, self.ttl) / 3
+        return max(due, self.retry_at.get(alias, 0.0))
+
+    def mark_lost(self, reason: str) -> bool:
+        if self.lost:
+            return False
+        self.lost, self.lost_reason = True, reason
+        return True
+
+    def renewal(self, key: str, ttl: float) -> tuple[scripts.LuaScript, tuple[str, ...], list[Any]]:
+        return SEM_EXTEND, self.keys, [self.token, lease_ms(ttl), self.limit]
+
+    def describe(self) -> str:
+        return f"A permit of semaphore {self.name!r}"
+
+    def lost_signal(self, held: float) -> dict[str, Any]:
+        # A permit has no fence; kind tells receivers it is not a lock.
+        return {"name": self.name, "fence": None, "held": held, "kind": "semaphore"}
 
 
 class Semaphore:
@@ -231,6 +298,7 @@ class Semaphore:
             settings.watchdog if watchdog is DEFAULT else _validate_flag("watchdog", watchdog)
         )
         self.max_hold = settings.max_hold
+        self.raise_on_lost = settings.raise_on_lost
         self.keys = SemaphoreKeys.for_name(namespace(using), self.name)
         self._permit: _Permit | None = None
         # Set while an acquisition runs, so a handle shared by threads takes one permit.
@@ -250,7 +318,7 @@ class Semaphore:
 
     @property
     def lost(self) -> bool:
-        """True when the renewer found this handle's permit gone."""
+        """True when this handle's permit is known to be gone (the watchdog found it so)."""
         permit = self._permit
         return permit is not None and permit.lost
 
@@ -314,11 +382,22 @@ class Semaphore:
 
     def _adopt(self, token: str, granted: tuple[float, str | None], started: float) -> None:
         sent, successor = granted
-        permit = _Permit(token, sent, self.ttl, started, successor)
+        permit = _Permit(
+            alias=self.using,
+            name=self.name,
+            token=token,
+            keys=self.keys.script_keys,
+            limit=self.limit,
+            ttl=self.ttl,
+            acquired_at=started,
+            max_hold=self.max_hold,
+            successor=successor,
+        )
+        permit.confirm(self.using, sent, self.ttl)
         with self._state:
             self._permit = permit
         if self.watchdog:
-            _renewer().watch(self, permit)
+            get_watchdog().watch(permit)
 
     def _refused(self, started: float) -> None:
         self._contention = (self._contention[0], time.monotonic() - started)
@@ -417,17 +496,20 @@ class Semaphore:
             raise LockNotOwned(
                 f"Semaphore {self.name!r} is not held by this handle.", name=self.name
             )
-        _renewer().unwatch(self)
+        # A released permit is not lost: stop renewing it before asking Redis.
+        get_watchdog().unwatch(permit)
         return permit
 
     def _released(self, permit: _Permit, held: bool) -> None:
+        permit.active = False
         with self._state:
             if self._permit is permit:
                 self._permit = None
         if not held:
+            announce_lost(permit, "it was no longer held at release")
             raise LockLost(
                 f"Semaphore {self.name!r}: this holder's permit had already ended "
-                "(its lease ran out, or it was reset).",
+                f"(its lease ran out, or it was reset): {permit.lost_reason}.",
                 name=self.name,
             )
 
@@ -484,11 +566,14 @@ class Semaphore:
 
     def _extended(self, permit: _Permit, sent: float, lease: float, ok: bool) -> None:
         if not ok:
-            permit.lost = True
+            get_watchdog().unwatch(permit)
+            announce_lost(permit, "extend found it gone")
             raise LockLost(
                 f"Semaphore {self.name!r}: the permit's lease had ended.", name=self.name
             )
-        permit.sent, permit.ttl = sent, lease
+        permit.confirm(self.using, sent, lease)
+        permit.ttl = lease  # later renewals keep to the new length
+        get_watchdog().poke(permit)
 
     # -- with / async with ----------------------------------------------------
 
@@ -505,10 +590,8 @@ class Semaphore:
     def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> Literal[False]:
         try:
             self.release()
-        except LockLost:
-            if exc is None:
-                raise
-            logger.error("Semaphore %r: the permit ended before its block did.", self.name)
+        except LockLost as lost:
+            self._lost_on_exit(lost, body_failed=exc is not None)
         except Exception as error:
             if exc is None:
                 raise
@@ -519,109 +602,21 @@ class Semaphore:
     async def __aexit__(self, exc_type: Any, exc: Any, tb: Any) -> Literal[False]:
         try:
             await self.arelease()
-        except LockLost:
-            if exc is None:
-                raise
-            logger.error("Semaphore %r: the permit ended before its block did.", self.name)
+        except LockLost as lost:
+            self._lost_on_exit(lost, body_failed=exc is not None)
         except Exception as error:
             if exc is None:
                 raise
             logger.error("Could not release semaphore %r: %s", self.name, error)
         return False
 
-
-# -- renewal ----------------------------------------------------------------------
-
-
-class _Renewer:
-    """One thread per process renewing every semaphore permit held with the watchdog on."""
-
-    def __init__(self) -> None:
-        self._cond = threading.Condition(threading.Lock())
-        self._watched: dict[int, tuple[Semaphore, _Permit]] = {}
-        self._thread: threading.Thread | None = None
-
-    def watch(self, handle: Semaphore, permit: _Permit) -> None:
-        with self._cond:
-            self._watched[id(handle)] = (handle, permit)
-            if self._thread is None:
-                self._thread = threading.Thread(
-                    target=self._run, name="django-redis-mutex-semaphores", daemon=True
-                )
-                self._thread.start()
-            self._cond.notify()
-
-    def unwatch(self, handle: Semaphore) -> None:
-        with self._cond:
-            self._watched.pop(id(handle), None)
-
-    def watching(self, handle: Semaphore) -> bool:
-        with self._cond:
-            return id(handle) in self._watched
-
-    def _run(self) -> None:
-        while True:
-            with self._cond:
-                now = time.monotonic()
-                due = []
-                wake = now + 1.0
-                for handle, permit in self._watched.values():
-                    at = permit.sent + permit.ttl / 3
-                    if at <= now:
-                        due.append((handle, permit))
-                    else:
-                        wake = min(wake, at)
-                if not due:
-                    self._cond.wait(max(wake - now, 0.001))
-                    continue
-            for handle, permit in due:
-                self._renew(handle, permit)
-
-    def _renew(self, handle: Semaphore, permit: _Permit) -> None:
-        if handle.max_hold is not None and time.monotonic() - permit.acquired_at >= handle.max_hold:
-            self.unwatch(handle)
-            logger.warning(
-                "Stopped renewing semaphore %r after MAX_HOLD (%ss).", handle.name, handle.max_hold
-            )
+    def _lost_on_exit(self, lost: LockLost, *, body_failed: bool) -> None:
+        # As a lock's block: the body's own exception, or RAISE_ON_LOST off,
+        # turns the loss into a log line.
+        if body_failed or not self.raise_on_lost:
+            logger.error("%s", lost)
             return
-        try:
-            sent, ok = run_steps(handle._extend_steps(permit.token, permit.ttl))
-        except Exception as exc:  # Redis down or slow: try again soon, the lease still runs.
-            logger.warning("Could not renew semaphore %r: %s", handle.name, exc)
-            permit.sent = min(permit.sent + 0.5, time.monotonic())
-            return
-        with self._cond:
-            if self._watched.get(id(handle), (None, None))[1] is not permit:
-                return  # released meanwhile
-            if ok:
-                permit.sent = sent
-                return
-            self._watched.pop(id(handle), None)
-        permit.lost = True
-        logger.error("Semaphore %r: the renewer found the permit gone.", handle.name)
-
-
-_renewer_lock = threading.Lock()
-_the_renewer: _Renewer | None = None
-
-
-def _renewer() -> _Renewer:
-    global _the_renewer
-    if _the_renewer is None:
-        with _renewer_lock:
-            if _the_renewer is None:
-                _the_renewer = _Renewer()
-    return _the_renewer
-
-
-def _after_fork_in_child() -> None:
-    # The parent's thread does not exist here, nor are its permits ours to renew.
-    global _the_renewer, _renewer_lock
-    _the_renewer = None
-    _renewer_lock = threading.Lock()
-
-
-os.register_at_fork(after_in_child=_after_fork_in_child)
+        raise lost
 
 
 # -- semaphore(): with, async with, decorator -----------------------------------

@@ -10,6 +10,9 @@ Each is sent with ``sender`` set to the cache alias and these keyword arguments:
     ``name``, ``wait`` (seconds waited before giving up), ``retry_after``, ``owner``.
 ``lock_lost``
     ``name``, ``fence``, ``held`` (seconds from acquisition until the loss was noticed).
+    Also sent when a semaphore permit is found gone, with ``fence=None`` and
+    ``kind="semaphore"``; a lock's loss has no ``kind``, so tell a permit by
+    ``kwargs.get("kind") == "semaphore"``.
 ``lock_waiting``
     ``name``, ``waiting``: ``True`` when an acquisition starts waiting for a
     lock someone else holds, ``False`` when that wait ends, however it ends

@@ -1,4 +1,4 @@
-"""Renewer threads that keep held locks alive, one lane per Redis.
+"""Renewer threads that keep held locks and semaphore permits alive, one lane per Redis.
 
 Every hold with the watchdog on is renewed a third into its lease with a
 compare-and-pexpire script, so a lock is only ever extended by the owner that
@@ -15,6 +15,12 @@ the hold is marked lost (the holder learns it when it leaves its block) and a
 ``lock_lost`` signal is sent. ``MAX_HOLD`` caps how long one hold is renewed,
 since renewing forever hides a hung holder.
 
+The watchdog renews anything that fits :class:`Renewable`: a lock's
+:class:`~django_redis_mutex.holds.Hold` and a semaphore's permit alike. Each
+says which script, keys and arguments renew it, how it is named in log lines
+and what ``lock_lost`` is sent with, so lock and permit renewals on one Redis
+share its lane, its pipeline and ``MAX_HOLD``.
+
 The lanes serve sync and async holds alike: renewal then does not depend on an
 event loop being free to run it. They are created lazily and re-created in a
 forked child, where threads do not survive (gunicorn preload, Celery prefork).
@@ -26,15 +32,16 @@ import logging
 import os
 import threading
 import time
-from typing import Any
+from collections.abc import Sequence
+from typing import Any, Protocol
 
 from django.core.exceptions import ImproperlyConfigured
 from redis.exceptions import NoScriptError
 
 from . import scripts, signals
-from .holds import Hold
+from .holds import Lease
 
-__all__ = ["Watchdog", "get_watchdog"]
+__all__ = ["Renewable", "Watchdog", "announce_lost", "get_watchdog"]
 
 logger = logging.getLogger("django_redis_mutex")
 
@@ -43,15 +50,73 @@ logger = logging.getLogger("django_redis_mutex")
 _IDLE = 1.0
 
 
+class Renewable(Protocol):
+    """Something the watchdog renews: a lease on the Redis of one or more cache aliases.
+
+    The watchdog keeps the lease bookkeeping on the object (``leases``,
+    ``confirm()``, ``refuse()``, ``failed()``, ``next_renewal()``); the object
+    says how it is renewed (:meth:`renewal`), how it is named in log lines
+    (:meth:`describe`, :attr:`kind`) and what ``lock_lost`` is sent with
+    (:meth:`lost_signal`).
+    """
+
+    alias: str  # the ``sender`` of lock_lost
+    name: str
+    ttl: float  # the lease renewals ask for
+    acquired_at: float
+    max_hold: float | None
+    quorum: int
+    active: bool
+    lost_reason: str
+    expires_at: float
+    # Where it lives: (alias, key) per Redis; the key is passed to renewal().
+    targets: tuple[tuple[str, str], ...]
+    leases: dict[str, Lease]
+
+    @property
+    def kind(self) -> str:
+        """What it is, in log lines ("lock", "semaphore")."""
+
+    @property
+    def strict(self) -> bool:
+        """True when a lapsed local bound means it is lost (a quorum lock)."""
+
+    @property
+    def doomed(self) -> bool:
+        """True when too many places said it is not ours."""
+
+    def next_renewal(self, alias: str) -> float: ...
+    def confirm(self, alias: str, sent: float, ttl: float) -> None: ...
+    def refuse(self, alias: str) -> None: ...
+    def failed(self, alias: str, retry_at: float) -> None: ...
+    def valid(self, now: float | None = None) -> bool: ...
+    def mark_lost(self, reason: str) -> bool: ...
+
+    def renewal(
+        self, key: str, ttl: float
+    ) -> tuple[scripts.LuaScript, Sequence[str], Sequence[Any]]:
+        """Return the script, keys and arguments that renew it at ``key`` to ``ttl``.
+
+        The script answers 1 when the lease was renewed, anything else when
+        it is not ours any more.
+        """
+
+    def describe(self) -> str:
+        """Name it in log lines."""
+
+    def lost_signal(self, held: float) -> dict[str, Any]:
+        """Return the keyword arguments ``lock_lost`` is sent with (``sender`` is its alias)."""
+
+
 class Watchdog:
-    """Renew held locks from one background lane per cache alias."""
+    """Renew held locks and permits from one background lane per cache alias."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._holds: dict[int, Hold] = {}
+        self._holds: dict[int, Renewable] = {}
         self._lanes: dict[str, _Lane] = {}
 
-    def watch(self, hold: Hold) -> None:
+    def watch(self, hold: Renewable) -> None:
         """Start renewing ``hold`` on every Redis it lives on."""
         with self._lock:
             self._holds[id(hold)] = hold
@@ -61,7 +126,7 @@ class Watchdog:
                     lane = self._lanes[alias] = _Lane(self, alias)
                 lane.add(hold, lock_key)
 
-    def unwatch(self, hold: Hold) -> bool:
+    def unwatch(self, hold: Renewable) -> bool:
         """Stop renewing ``hold``; return True if it was being renewed."""
         with self._lock:
             if self._holds.pop(id(hold), None) is None:
@@ -72,12 +137,12 @@ class Watchdog:
                 lane.remove(hold)
         return True
 
-    def watching(self, hold: Hold) -> bool:
+    def watching(self, hold: Renewable) -> bool:
         """Return True while ``hold`` is being renewed."""
         with self._lock:
             return id(hold) in self._holds
 
-    def poke(self, hold: Hold) -> None:
+    def poke(self, hold: Renewable) -> None:
         """Make the lanes of ``hold`` look at it now (its lease changed)."""
         with self._lock:
             lanes = [self._lanes.get(alias) for alias, _ in hold.targets]
@@ -85,14 +150,15 @@ class Watchdog:
             if lane is not None:
                 lane.poke()
 
-    def settle(self, hold: Hold, now: float) -> None:
+    def settle(self, hold: Renewable, now: float) -> None:
         """Decide, after a renewal or at its deadline, whether ``hold`` is lost or done."""
         if not self.watching(hold):
             return
         if hold.max_hold is not None and now - hold.acquired_at >= hold.max_hold:
             if self.unwatch(hold):
                 logger.warning(
-                    "Stopped renewing lock %r after MAX_HOLD (%ss); it expires in at most %ss.",
+                    "Stopped renewing %s %r after MAX_HOLD (%ss); it expires in at most %ss.",
+                    hold.kind,
                     hold.name,
                     hold.max_hold,
                     hold.ttl,
@@ -104,24 +170,31 @@ class Watchdog:
         elif hold.strict and not hold.valid(now):
             self._lost(hold, "its validity ran out before a majority of masters renewed it")
 
-    def _lost(self, hold: Hold, reason: str) -> None:
+    def _lost(self, hold: Renewable, reason: str) -> None:
         # A release unwatches before it asks Redis: a hold no longer watched
         # was released (or is being released), not lost.
         if not self.unwatch(hold):
             return
-        if not hold.active or not hold.mark_lost(reason):
-            return
-        held = time.monotonic() - hold.acquired_at
-        logger.error(
-            "Lock %r (fence %s) was lost after %.3fs: %s.", hold.name, hold.fence, held, reason
-        )
-        # A lane renews every lock on its Redis: a receiver's error is logged,
-        # never allowed to stop it.
-        for receiver, error in signals.lock_lost.send_robust(
-            sender=hold.alias, name=hold.name, fence=hold.fence, held=held
-        ):
-            if isinstance(error, Exception):
-                logger.error("lock_lost receiver %r failed: %r", receiver, error)
+        if hold.active:
+            announce_lost(hold, reason)
+
+
+def announce_lost(item: Renewable, reason: str) -> bool:
+    """Mark ``item`` lost, log it and send ``lock_lost`` (once); return True the first time.
+
+    Receivers' errors are logged, never raised: a lane renews everything on
+    its Redis, and a failing receiver must not stop it.
+    """
+    if not item.mark_lost(reason):
+        return False
+    held = time.monotonic() - item.acquired_at
+    logger.error("%s was lost after %.3fs: %s.", item.describe(), held, reason)
+    for receiver, error in signals.lock_lost.send_robust(
+        sender=item.alias, **item.lost_signal(held)
+    ):
+        if isinstance(error, Exception):
+            logger.error("lock_lost receiver %r failed: %r", receiver, error)
+    return True
 
 
 class _Lane:
@@ -131,7 +204,7 @@ class _Lane:
         self.watchdog = watchdog
         self.alias = alias
         self._cond = threading.Condition(threading.Lock())
-        self._entries: dict[int, tuple[Hold, str]] = {}
+        self._entries: dict[int, tuple[Renewable, str]] = {}
         # When the thread plans to wake next: a new hold due later needs no wake-up.
         self._wake_at = 0.0
         self._thread = threading.Thread(
@@ -139,7 +212,7 @@ class _Lane:
         )
         self._thread.start()
 
-    def add(self, hold: Hold, lock_key: str) -> None:
+    def add(self, hold: Renewable, lock_key: str) -> None:
         with self._cond:
             self._entries[id(hold)] = (hold, lock_key)
             due = hold.next_renewal(self.alias)
@@ -148,7 +221,7 @@ class _Lane:
             if due < self._wake_at:
                 self._cond.notify()
 
-    def remove(self, hold: Hold) -> None:
+    def remove(self, hold: Renewable) -> None:
         with self._cond:
             self._entries.pop(id(hold), None)
 
@@ -160,7 +233,7 @@ class _Lane:
         while True:
             with self._cond:
                 now = time.monotonic()
-                due: list[tuple[Hold, str]] = []
+                due: list[tuple[Renewable, str]] = []
                 wake = now + _IDLE
                 for hold, lock_key in self._entries.values():
                     at = hold.next_renewal(self.alias)
@@ -189,12 +262,12 @@ class _Lane:
             for hold, _ in entries:
                 self.watchdog.settle(hold, now)
 
-    def _renew(self, due: list[tuple[Hold, str]]) -> None:
+    def _renew(self, due: list[tuple[Renewable, str]]) -> None:
         from .client import get_client, get_member_client
 
         # Quorum members are asked through a client with the short per-master
         # deadline; a plain lock through the alias's own client.
-        groups: dict[bool, list[tuple[Hold, str, float]]] = {}
+        groups: dict[bool, list[tuple[Renewable, str, float]]] = {}
         for hold, lock_key in due:
             if hold.max_hold is not None and time.monotonic() - hold.acquired_at >= hold.max_hold:
                 continue  # settle() stops it
@@ -228,24 +301,23 @@ class _Lane:
                     hold.refuse(self.alias)
 
 
-def _extend_all(client: Any, entries: list[tuple[Hold, str, float]]) -> list[Any]:
+def _extend_all(client: Any, entries: list[tuple[Renewable, str, float]]) -> list[Any]:
+    calls = [hold.renewal(key, ttl) for hold, key, ttl in entries]
     if hasattr(client, "get_nodes"):
         # A cluster client refuses scripts in pipelines; each renewal goes
-        # to the node owning that lock's slot.
-        return [
-            scripts.run(client, scripts.EXTEND, [lock_key], [hold.token, int(ttl * 1000)])
-            for hold, lock_key, ttl in entries
-        ]
+        # to the node owning that key's slot.
+        return [scripts.run(client, script, keys, args) for script, keys, args in calls]
     for attempt in (1, 2):
         pipe = client.pipeline(transaction=False)
-        for hold, lock_key, ttl in entries:
-            pipe.evalsha(scripts.EXTEND.sha, 1, lock_key, hold.token, int(ttl * 1000))
+        for script, keys, args in calls:
+            pipe.evalsha(script.sha, len(keys), *keys, *args)
         try:
             return list(pipe.execute())
         except NoScriptError:
             if attempt == 2:
                 raise
-            client.script_load(scripts.EXTEND.source)
+            for script in {script.sha: script for script, _, _ in calls}.values():
+                client.script_load(script.source)
     raise AssertionError("unreachable")
 
 

@@ -8,13 +8,16 @@ Redis (the ``holders`` sorted set, scored by the server-clock ms each lease ends
 from __future__ import annotations
 
 import asyncio
+import copy
 import json
+import logging
 import os
 import signal
 import threading
 import time
 from collections.abc import Callable, Iterator
 from typing import Any
+from urllib.parse import urlsplit
 
 import pytest
 import redis
@@ -24,18 +27,23 @@ from django_redis_mutex import (
     LockContended,
     LockLost,
     LockNotOwned,
+    Mutex,
     Semaphore,
     held_semaphores,
     reset_semaphore,
     semaphore,
+    signals,
 )
 from django_redis_mutex.keys import escape_name
-from django_redis_mutex.scripts import HANDOFF_LEASE, WAIT_LEASE
+from django_redis_mutex.scripts import EXTEND, HANDOFF_LEASE, WAIT_LEASE
 from django_redis_mutex.semaphore import MAX_LIMIT, SemaphoreKeys
 from django_redis_mutex.semaphore import SCRIPTS as SEMAPHORE_SCRIPTS
+from django_redis_mutex.semaphore_scripts import SEM_EXTEND
 from django_redis_mutex.testing import RedisClusterServers, RedisServer
+from django_redis_mutex.watchdog import get_watchdog
 
-from .helpers import wait_until
+from .helpers import await_until, caches_with, wait_until
+from .proxy import Proxy
 from .test_cluster import HOSTILE_NAMES
 from .test_declared_keys import (  # the MONITOR-based check of the lock scripts
     KeysOf,
@@ -176,14 +184,20 @@ def test_a_killed_holders_permit_comes_back_when_its_lease_ends_and_not_before(
 
 
 def test_the_watchdog_keeps_a_permit_past_several_leases(raw: redis.Redis) -> None:
-    holder = Semaphore("renewed", 1, ttl=0.6)
+    ttl = 0.3
+    holder = Semaphore("renewed", 1, ttl=ttl)
     assert holder.acquire(blocking=False)
     started = time.monotonic()
-    # Time passing is what is tested: five leases, with the permit checked all along.
-    while time.monotonic() - started < 3.0:
+
+    def held_and_renewed() -> bool:
+        # Checked on every poll: the permit never left the holders meanwhile.
         assert holder_tokens(raw, "renewed") == [holder.token]
-        assert not Semaphore("renewed", 1).acquire(blocking=False)
-        time.sleep(0.1)
+        return renewed_count(raw, holder) >= 10
+
+    wait_until(held_and_renewed, timeout=15, what="ten renewals of the permit")
+    # Ten renewals, a third of a lease apart at the soonest: past three leases.
+    assert time.monotonic() - started > 3 * ttl
+    assert not Semaphore("renewed", 1).acquire(blocking=False)
     assert not holder.lost
     holder.release()  # no LockLost: the permit was never gone
     assert holder_tokens(raw, "renewed") == []
@@ -715,3 +729,175 @@ def test_max_hold_stops_renewing_a_permit_so_it_ends() -> None:
         with pytest.raises(LockLost):
             capped.release()
         successor.release()
+
+
+# -- renewal by the lock watchdog -----------------------------------------------------------------
+
+
+@pytest.fixture
+def lost_signals() -> Iterator[list[dict[str, Any]]]:
+    """Collect every lock_lost sent during the test: its sender and keyword arguments."""
+    received: list[dict[str, Any]] = []
+
+    def on_lost(sender: str, **kwargs: Any) -> None:
+        kwargs.pop("signal")
+        received.append({"sender": sender, **kwargs})
+
+    signals.lock_lost.connect(on_lost, weak=False)
+    yield received
+    signals.lock_lost.disconnect(on_lost)
+
+
+@pytest.fixture
+def watchdog_pipelines(monkeypatch: pytest.MonkeyPatch) -> list[list[str]]:
+    """Record the script SHAs of every pipeline the watchdog's lanes run, one list per pipeline."""
+    sent: list[list[str]] = []
+    execute = redis.client.Pipeline.execute
+
+    def recording(pipe: Any, *args: Any, **kwargs: Any) -> Any:
+        if threading.current_thread().name.startswith("django-redis-mutex-watchdog:"):
+            sent.append([str(command[0][1]) for command in pipe.command_stack])
+        return execute(pipe, *args, **kwargs)
+
+    monkeypatch.setattr(redis.client.Pipeline, "execute", recording)
+    return sent
+
+
+def test_a_lock_and_a_permit_on_one_alias_are_renewed_in_one_pipeline(
+    raw: redis.Redis, watchdog_pipelines: list[list[str]]
+) -> None:
+    ttl = 0.6
+    lock = Mutex("side-by-side", ttl=ttl)
+    permit = Semaphore("side-by-side", 1, ttl=ttl)
+    assert lock.acquire(blocking=False)
+    assert permit.acquire(blocking=False)
+    # Both renewals are due a third into their leases, which started before now.
+    both_due = time.monotonic() + ttl / 3
+    lane = get_watchdog()._lanes["default"]
+    # The lane starts no round while its condition is held: let both fall due, so
+    # its next round finds them together.
+    with lane._cond:
+        wait_until(lambda: time.monotonic() >= both_due, what="both renewals due")
+    wait_until(
+        lambda: any({EXTEND.sha, SEM_EXTEND.sha} <= set(shas) for shas in watchdog_pipelines),
+        what="one watchdog pipeline renewing the lock and the permit",
+    )
+    # That pipeline reached Redis: the permit's lease moved, the lock's was renewed.
+    wait_until(lambda: renewed_count(raw, permit) >= 1, what="the permit's lease renewed")
+    assert raw.pttl(lock.keys.lock) > ttl * 1000 / 3
+    assert not permit.lost and not lock.lost
+    permit.release()
+    lock.release()
+
+
+def test_a_permit_reset_under_its_holder_sends_lock_lost_and_its_block_raises(
+    raw: redis.Redis, lost_signals: list[dict[str, Any]]
+) -> None:
+    with (
+        pytest.raises(LockLost, match=r"'reset-under'.*permit had already ended"),
+        semaphore("reset-under", 2, ttl=0.3) as held,
+    ):
+        permit = held._permit
+        assert reset_semaphore("reset-under") == 1
+        wait_until(lambda: held.lost, what="the watchdog to find the permit gone")
+        assert not get_watchdog().watching(permit)
+        assert holder_tokens(raw, "reset-under", 2) == []  # never re-created by a renewal
+    # Sent once, by the watchdog; the release that found it gone again sent nothing.
+    assert len(lost_signals) == 1
+    (sent,) = lost_signals
+    assert sent["sender"] == "default"
+    assert (sent["name"], sent["kind"], sent["fence"]) == ("reset-under", "semaphore", None)
+    assert sent["held"] > 0
+
+
+def test_an_async_block_whose_permit_was_reset_raises_lock_lost(
+    lost_signals: list[dict[str, Any]],
+) -> None:
+    async def main() -> None:
+        with pytest.raises(LockLost, match="'reset-async'"):
+            async with semaphore("reset-async", 1, ttl=0.3) as held:
+                assert reset_semaphore("reset-async") == 1
+                await await_until(lambda: held.lost, what="the watchdog to find the permit gone")
+
+    asyncio.run(main())
+    assert [(s["name"], s["kind"]) for s in lost_signals] == [("reset-async", "semaphore")]
+
+
+def test_with_raise_on_lost_off_a_lost_permit_is_logged_not_raised(
+    caplog: pytest.LogCaptureFixture, lost_signals: list[dict[str, Any]]
+) -> None:
+    from django.test import override_settings
+
+    with (
+        override_settings(CACHES=caches_with(RAISE_ON_LOST=False)),
+        caplog.at_level(logging.ERROR, logger="django_redis_mutex"),
+        semaphore("quiet-loss", 1, ttl=0.3) as held,
+    ):
+        assert reset_semaphore("quiet-loss") == 1
+        wait_until(lambda: held.lost, what="the watchdog to find the permit gone")
+    assert any(
+        "'quiet-loss'" in r.getMessage() and "ended" in r.getMessage() for r in caplog.records
+    )
+    assert [s["name"] for s in lost_signals] == ["quiet-loss"]
+
+
+def test_max_hold_stops_the_watchdog_renewing_a_permit(
+    raw: redis.Redis, caplog: pytest.LogCaptureFixture
+) -> None:
+    from django.test import override_settings
+
+    with (
+        override_settings(CACHES=caches_with(MAX_HOLD=0.6)),
+        caplog.at_level(logging.WARNING, logger="django_redis_mutex"),
+    ):
+        capped = Semaphore("capped-lane", 1, ttl=0.3)
+        assert capped.acquire(blocking=False)
+        permit = capped._permit
+        wait_until(lambda: renewed_count(raw, capped) >= 1, what="a renewal before MAX_HOLD")
+        wait_until(lambda: not get_watchdog().watching(permit), what="renewal to stop")
+        # Left to run out its last lease: the permit comes free to another holder.
+        successor = Semaphore("capped-lane", 1, ttl=5)
+        assert successor.acquire(timeout=5)
+    assert any(
+        "semaphore 'capped-lane'" in r.getMessage() and "MAX_HOLD" in r.getMessage()
+        for r in caplog.records
+    )
+    with pytest.raises(LockLost):
+        capped.release()
+    successor.release()
+
+
+def test_a_hung_redis_stalls_only_the_permits_of_its_own_alias(
+    redis_url: str, raw: redis.Redis
+) -> None:
+    from django.conf import settings
+    from django.test import override_settings
+
+    port = urlsplit(redis_url).port
+    assert port is not None
+    with Proxy(port) as proxy:
+        caches = copy.deepcopy(settings.CACHES)
+        caches["direct"] = copy.deepcopy(caches["default"])
+        caches["default"]["LOCATION"] = proxy.url  # its socket timeout is 5 s
+        with override_settings(CACHES=caches):
+            stuck = Semaphore("behind-a-hung-redis", 1, ttl=0.9)
+            assert stuck.acquire(blocking=False)
+            healthy = Semaphore("on-a-healthy-redis", 1, using="direct", ttl=0.6)
+            assert healthy.acquire(blocking=False)
+            proxy.stall()
+            try:
+                # The hung alias's lane waits out its renewal (due 0.3 s in) for
+                # seconds; the other lane renews its permit all along.
+                def healthy_renewed() -> bool:
+                    assert holder_tokens(raw, "on-a-healthy-redis") == [healthy.token]
+                    assert renewed_count(raw, stuck) == 0  # nothing got through the stall
+                    return renewed_count(raw, healthy) >= 8
+
+                wait_until(healthy_renewed, timeout=4.5, what="renewals on the healthy alias")
+                assert not healthy.lost
+                healthy.release()
+            finally:
+                proxy.resume()
+            # The hung Redis's permit ran out meanwhile, and is not brought back.
+            with pytest.raises(LockLost):
+                stuck.release()
