@@ -680,3 +680,20 @@ def test_reset_all_releases_locks_and_leaves_semaphores_saying_so(
     ]
     assert not lock.owned()
     assert [h.token for s in held_semaphores() for h in s.holders] == [permit.token]
+
+
+def test_quorum_alias_lists_no_semaphore_and_refuses_to_reset_one(
+    settings: Any, permits: list[Semaphore]
+) -> None:
+    default = settings.CACHES["default"]
+    settings.CACHES = {
+        **settings.CACHES,
+        "m1": {**default, "KEY_PREFIX": "m1"},
+        "m2": {**default, "KEY_PREFIX": "m2"},
+        "q": {**default, "MUTEX": {**default["MUTEX"], "QUORUM": ["m1", "m2"]}},
+    }
+    permit = take_permit(permits, "exports", 1)
+    assert json.loads(locks("--json", "--using", "q")) == []
+    with pytest.raises(CommandError, match=r"Cache 'q' is a quorum: a semaphore lives on one"):
+        locks("--using", "q", "--reset-semaphore", "exports")
+    assert [h.token for s in held_semaphores() for h in s.holders] == [permit.token]
