@@ -11,6 +11,7 @@ from .exceptions import (
     LockLost,
     LockNotOwned,
     LockNotReplicated,
+    LockUpgradeRefused,
     StaleFence,
 )
 from .introspection import HeldLock, held_locks, reset, reset_all
@@ -38,6 +39,7 @@ __all__ = [
     "LockLost",
     "LockNotOwned",
     "LockNotReplicated",
+    "LockUpgradeRefused",
     "Mutex",
     "MutexContext",
     "Owner",

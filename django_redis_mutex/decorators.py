@@ -172,6 +172,10 @@ class MutexContext:
         # are only read when a lock is actually built.
         if "label" in options:
             validate_label(options["label"])
+        if not isinstance(options.get("shared", False), bool):
+            raise TypeError(
+                f"shared must be True or False, not {type(options['shared']).__name__}."
+            )
         if options.get("ttl", DEFAULT) is not DEFAULT:
             validate_ttl(options["ttl"])
         if options.get("timeout", DEFAULT) is not DEFAULT:
@@ -332,6 +336,7 @@ def mutex(
     watchdog: bool = DEFAULT,
     reentrant: bool = True,
     label: str | None = None,
+    shared: bool = False,
 ) -> MutexContext:
     """Guard a block or a function with the distributed lock ``name``.
 
@@ -341,6 +346,10 @@ def mutex(
     LockContended when the lock cannot be acquired in time, LockLost when the
     hold was lost while a successful body ran, and LockBackendUnavailable when
     Redis cannot be reached (unless the alias is FAIL_OPEN).
+
+    ``shared=True`` takes the lock shared (a read lock): any number of shared
+    holders at once, none while an exclusive holder has it, and none newly
+    admitted while an exclusive waiter is first in line.
     """
     return MutexContext(
         name,
@@ -351,6 +360,7 @@ def mutex(
         watchdog=watchdog,
         reentrant=reentrant,
         label=label,
+        shared=shared,
     )
 
 

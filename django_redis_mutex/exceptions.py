@@ -18,6 +18,7 @@ __all__ = [
     "LockLost",
     "LockNotOwned",
     "LockNotReplicated",
+    "LockUpgradeRefused",
     "StaleFence",
 ]
 
@@ -59,6 +60,18 @@ class LockLost(LockError):
     Raised when leaving a ``with`` block (or a decorated call) whose body
     succeeded but whose lock was no longer ours, because the work done inside
     may have overlapped another owner's.
+    """
+
+
+class LockUpgradeRefused(LockError):
+    """An exclusive acquisition nested inside a shared hold of the same lock by the same owner.
+
+    Turning a shared hold into an exclusive one would wait for every other
+    shared holder, and two owners doing so at once would wait for each other
+    forever; release the shared hold first, or take the lock exclusively from
+    the start.
+
+    .. versionadded:: 0.2
     """
 
 

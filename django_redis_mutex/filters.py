@@ -14,10 +14,13 @@ from __future__ import annotations
 
 import math
 import re
-from dataclasses import dataclass, fields
+import time
+from dataclasses import dataclass, fields, replace
+from datetime import datetime
 
 from .display import duration
-from .introspection import HeldLock
+from .introspection import HeldLock, ListedLock
+from .owners import Owner
 
 __all__ = ["FILTER_FIELDS", "FilterError", "LockFilter", "parse_duration"]
 
@@ -149,8 +152,42 @@ class LockFilter:
         return any(getattr(self, field.name) is not None for field in fields(self))
 
     def matches(self, held: HeldLock) -> bool:
-        """Return True if ``held`` passes every filter that is set."""
-        owner = held.owner
+        """Return True if ``held`` passes every filter that is set.
+
+        A lock held shared passes when any of its holders does.
+        """
+        if held.shared:
+            return any(self._matches(h.owner, _since(h.acquired_at)) for h in held.holders)
+        return self._matches(held.owner, held.held_for)
+
+    def select(self, listed: ListedLock) -> ListedLock | None:
+        """Return ``listed`` narrowed to the holders this filter matches, or None if none does.
+
+        A reset of the result releases only those holders of a lock held
+        shared: reclaiming one host's holds leaves the other hosts' alone.
+        """
+        held = listed.held
+        if not held.shared:
+            return listed if self.matches(held) else None
+        kept = [
+            (token, holder)
+            for token, holder in zip(listed.token.split(), held.holders, strict=True)
+            if self._matches(holder.owner, _since(holder.acquired_at))
+        ]
+        if not kept:
+            return None
+        holders = tuple(holder for _, holder in kept)
+        narrowed = replace(
+            held,
+            holders=holders,
+            owner=holders[0].owner,
+            acquired_at=holders[0].acquired_at,
+            fence=holders[0].fence,
+            time_left=max(holder.time_left for holder in holders),
+        )
+        return ListedLock(narrowed, " ".join(token for token, _ in kept))
+
+    def _matches(self, owner: Owner, held_for: float) -> bool:
         if self.host is not None and (
             owner.host is None or owner.host.casefold() != self.host.casefold()
         ):
@@ -159,7 +196,7 @@ class LockFilter:
             return False
         if self.label is not None and owner.label != self.label:
             return False
-        return self.older_than is None or held.held_for >= self.older_than
+        return self.older_than is None or held_for >= self.older_than
 
     def describe(self) -> str:
         """Describe the filters that are set: ``host 'web1', older than 10 min 00 s``."""
@@ -173,3 +210,8 @@ class LockFilter:
         if self.older_than is not None:
             parts.append(f"older than {duration(self.older_than)}")
         return ", ".join(parts) or "every lock"
+
+
+def _since(moment: datetime) -> float:
+    """Seconds from ``moment`` until now (by this server's clock), never negative."""
+    return max(0.0, time.time() - moment.timestamp())

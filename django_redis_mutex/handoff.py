@@ -25,15 +25,16 @@ from .keys import LockKeys
 __all__ = ["Wakeup", "handed_to", "parse_wakeup", "release_steps", "reset_steps", "wake_steps"]
 
 
-def handed_to(reply: Any) -> str | None:
-    """Return the waiter a RELEASE, RESET or ACQUIRE reply says the caller must wake, or None.
+def handed_to(reply: Any) -> list[str]:
+    """Return the waiters a RELEASE, RESET, ACQUIRE or CANCEL reply says the caller must wake.
 
-    Those scripts answer with a token (a string) exactly when they handed the
-    lock to a waiter they could not wake; every other answer is a number or ''.
+    Those scripts answer with text exactly when they handed the lock to
+    waiters they could not wake: one token, or several space-separated when a
+    run of shared waiters got it together; every other answer is a number or ''.
     """
     if isinstance(reply, (bytes, str)):
-        return decode(reply) or None
-    return None
+        return decode(reply).split()
+    return []
 
 
 def wake_steps(alias: str, keys: LockKeys, token: str) -> Steps[None]:
@@ -48,8 +49,7 @@ def wake_steps(alias: str, keys: LockKeys, token: str) -> Steps[None]:
 
 
 def _woken(alias: str, keys: LockKeys, reply: Any) -> Steps[None]:
-    head = handed_to(reply)
-    if head is not None:
+    for head in handed_to(reply):
         yield from wake_steps(alias, keys, head)
 
 

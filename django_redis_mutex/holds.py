@@ -152,6 +152,11 @@ class Hold:
             self.targets = ((self.alias, self.keys.lock),)
 
     @property
+    def shared(self) -> bool:
+        """True for a shared (read) hold: its token starts with ``s`` (see scripts.py)."""
+        return self.token.startswith("s")
+
+    @property
     def strict(self) -> bool:
         """True when a lapsed local bound means the hold is lost (a quorum lock).
 

@@ -37,6 +37,7 @@ from .owners import Owner, parse_owner
 __all__ = [
     "HeldLock",
     "ListedLock",
+    "SharedHolder",
     "ensure_resettable",
     "held_locks",
     "listed_locks",
@@ -54,6 +55,19 @@ _MEMBER_FAILURES = (*UNAVAILABLE, ResponseError)
 
 
 @dataclass(frozen=True)
+class SharedHolder:
+    """One holder of a lock held shared, as read from Redis.
+
+    .. versionadded:: 0.2
+    """
+
+    owner: Owner
+    acquired_at: datetime
+    time_left: float  # seconds left on this holder's own lease
+    fence: int
+
+
+@dataclass(frozen=True)
 class HeldLock:
     """One lock held right now, as read from Redis.
 
@@ -61,6 +75,11 @@ class HeldLock:
     token: ``fence`` is the largest fence among them (the fence the holder
     got), ``time_left`` the time until fewer than a majority still hold the lease,
     and ``masters`` how many masters hold it (1 for a single Redis).
+
+    A lock held shared (``shared`` True) lists each of its holders in
+    ``holders``, earliest first; ``owner``, ``acquired_at`` and ``fence`` are
+    then the earliest holder's, ``time_left`` the longest lease left. For an
+    exclusive lock ``holders`` is empty.
     """
 
     name: str
@@ -70,6 +89,8 @@ class HeldLock:
     fence: int
     waiters: int
     masters: int = 1
+    shared: bool = False
+    holders: tuple[SharedHolder, ...] = ()
 
     @property
     def held_for(self) -> float:
@@ -94,6 +115,8 @@ class HeldLock:
         """
         data = asdict(self)
         data["acquired_at"] = self.acquired_at.isoformat()
+        for holder in data["holders"]:
+            holder["acquired_at"] = holder["acquired_at"].isoformat()
         data["ttl"] = self.time_left
         return data
 
@@ -111,6 +134,7 @@ class ListedLock:
     """
 
     held: HeldLock
+    # A shared lock's holders' tokens, space-separated.
     token: str = field(repr=False)
 
 
@@ -240,22 +264,70 @@ def _lock_keys(client: Any, alias: str) -> Iterator[list[str]]:
         yield batch
 
 
-def _parse(name: str, fields: list[Any], pttl: int, waiters: int) -> tuple[str, HeldLock] | None:
-    """Return (token, lock) read from one lock hash, or None if it is gone."""
-    token, fence, owner, acquired = (decode(v) for v in fields)
-    if not token or pttl == -2:
+def _at(ms: int) -> datetime:
+    return datetime.fromtimestamp(ms / 1000, tz=timezone.utc)
+
+
+def _parse(
+    name: str, fields: dict[Any, Any], pttl: int, waiters: int, now_ms: int
+) -> tuple[str, HeldLock] | None:
+    """Return (token, lock) read from one lock hash, or None if nobody holds it now."""
+    record = {decode(key): decode(value) for key, value in fields.items()}
+    if pttl == -2:
         return None  # released between SCAN and read
+    token = record.get("token", "")
+    if not token:
+        return _parse_shared(name, record, waiters, now_ms)
+    fence = record.get("fence", "")
+    acquired = record.get("acquired", "")
     # The fence is the server clock in µs when the lock was taken, unless the
     # counter ran ahead of the clock: then ACQUIRE stored the time itself.
     clock = int(fence) // 1000 if fence.isdigit() else 0
     ms = int(acquired) if acquired.isdigit() else clock
     return token, HeldLock(
         name=name,
-        owner=parse_owner(owner) or Owner(),
-        acquired_at=datetime.fromtimestamp(ms / 1000, tz=timezone.utc),
+        owner=parse_owner(record.get("owner")) or Owner(),
+        acquired_at=_at(ms),
         time_left=max(pttl, 0) / 1000,
         fence=int(fence) if fence.isdigit() else 0,
         waiters=waiters,
+    )
+
+
+def _parse_shared(
+    name: str, record: dict[str, str], waiters: int, now_ms: int
+) -> tuple[str, HeldLock] | None:
+    """Return (tokens, lock) for a lock held shared: one ``r:<token>`` record per holder."""
+    holders: list[tuple[str, SharedHolder]] = []
+    for field_name, value in record.items():
+        if not field_name.startswith("r:"):
+            continue
+        parts = value.split("|", 3)
+        if len(parts) != 4 or not all(part.isdigit() for part in parts[:3]):
+            continue
+        ends, fence, taken = (int(part) for part in parts[:3])
+        if ends <= now_ms:
+            continue  # its lease ended; the next script to look drops it
+        holder = SharedHolder(
+            owner=parse_owner(parts[3]) or Owner(),
+            acquired_at=_at(taken),
+            time_left=(ends - now_ms) / 1000,
+            fence=fence,
+        )
+        holders.append((field_name[2:], holder))
+    if not holders:
+        return None
+    holders.sort(key=lambda pair: (pair[1].acquired_at, pair[1].fence))
+    first = holders[0][1]
+    return " ".join(token for token, _ in holders), HeldLock(
+        name=name,
+        owner=first.owner,
+        acquired_at=first.acquired_at,
+        time_left=max(holder.time_left for _, holder in holders),
+        fence=first.fence,
+        waiters=waiters,
+        shared=True,
+        holders=tuple(holder for _, holder in holders),
     )
 
 
@@ -270,14 +342,20 @@ def _read(client: Any, alias: str) -> Iterator[tuple[str, str, HeldLock]]:
         pipe = client.pipeline(transaction=False)
         for key in batch:
             keys = LockKeys.for_lock_key(key)
-            pipe.hmget(key, ["token", "fence", "owner", "acquired"])
+            pipe.hgetall(key)
             pipe.pttl(key)
             pipe.zcard(keys.queue)
         replies = pipe.execute()
+        # Shared leases are kept as server times: read the server's clock after them.
+        clock = client.time()
+        if isinstance(clock, dict):  # a cluster client asks one node per call; any will do
+            clock = next(iter(clock.values()))
+        seconds, micros = clock
+        now_ms = int(seconds) * 1000 + int(micros) // 1000
         for index, key in enumerate(batch):
             i = 3 * index
             name = unescape_name(key[skip + 1 : -1])  # the hash tag is the escaped name
-            parsed = _parse(name, replies[i], replies[i + 1], replies[i + 2])
+            parsed = _parse(name, replies[i], replies[i + 1], replies[i + 2], now_ms)
             if parsed is not None:
                 yield key[skip:], parsed[0], parsed[1]
 
@@ -460,7 +538,10 @@ def _release_as(alias: str, keys: LockKeys, token: str) -> bool:
     The holder's own release script, so the compare on the token and the
     hand-off to the first waiter follow its contract (see scripts.RELEASE).
     """
-    return run_steps(release_steps(alias, keys, token))
+    released = False
+    for one in token.split():  # a shared lock's holders, each released as itself
+        released = run_steps(release_steps(alias, keys, one)) or released
+    return released
 
 
 def reset_listed(listed: ListedLock, using: str | Sequence[str] = "default") -> bool:

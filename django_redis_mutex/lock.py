@@ -39,6 +39,7 @@ from .exceptions import (
     LockLost,
     LockNotOwned,
     LockNotReplicated,
+    LockUpgradeRefused,
 )
 from .handoff import handed_to, parse_wakeup, wake_steps
 from .holds import (
@@ -131,8 +132,13 @@ class Mutex:
         watchdog: bool = DEFAULT,
         reentrant: bool = True,
         label: str | None = None,
+        shared: bool = False,
     ) -> None:
         self.name: str = validate_name(name)
+        #: True for a shared (read) lock: any number of shared holders at once,
+        #: none while an exclusive holder has it.
+        self.shared: bool = _flag("shared", shared)
+        self._acquire_script = scripts.ACQUIRE_SHARED if self.shared else scripts.ACQUIRE
         if isinstance(using, (list, tuple)) and len(using) == 1:
             using = using[0]
         if not isinstance(using, str):
@@ -247,7 +253,7 @@ class Mutex:
             return (yield from self._replicated_acquire_steps(token, blocking, deadline, started))
         keys = self.keys.with_wake(token)
         sent, reply = yield Script(
-            self.using, scripts.ACQUIRE, keys, self._acquire_args(token, blocking)
+            self.using, self._acquire_script, keys, self._acquire_args(token, blocking)
         )
         if not isinstance(reply, list):  # the fence alone: ours, nobody in line
             return self._grant(reply, sent, self.lease)
@@ -274,7 +280,7 @@ class Mutex:
         replicas, timeout = self.settings.wait_replicas, self.settings.wait_timeout
         sent, reply, acknowledged = yield Acknowledged(
             self.using,
-            scripts.ACQUIRE,
+            self._acquire_script,
             self.keys.with_wake(token),
             self._acquire_args(token, blocking),
             replicas,
@@ -365,7 +371,7 @@ class Mutex:
                     # Woken late (a paused process or loop): most of the hand-over
                     # lease may be spent; the check-in below asks Redis.
             sent, reply = yield Script(
-                self.using, scripts.ACQUIRE, keys, self._acquire_args(token, True)
+                self.using, self._acquire_script, keys, self._acquire_args(token, True)
             )
             if not isinstance(reply, list):
                 return self._grant(reply, sent, self.lease)
@@ -382,8 +388,7 @@ class Mutex:
         CANCEL when it leaves a free lock, RELEASE when the first in line is
         not the successor the holder expected.
         """
-        head = handed_to(handed)
-        if head is not None:
+        for head in handed_to(handed):
             yield from wake_steps(self.using, self.keys, head)
 
     def _cancel_steps(self, token: str) -> Steps[Grant | None]:
@@ -470,6 +475,14 @@ class Mutex:
             hold = scoped_hold(self._targets())
         if hold is None or hold.lost or hold.releasing or not hold.active:
             return None
+        if hold.shared and not self.shared:
+            raise LockUpgradeRefused(
+                f"Cannot take lock {self.name!r} exclusively inside a shared hold of it by "
+                "the same owner: that would wait for the other shared holders, and two "
+                "owners upgrading at once would wait for each other forever. Release the "
+                "shared hold first, or take the lock exclusively from the start.",
+                name=self.name,
+            )
         return hold
 
     def _nest_into(self, hold: Hold) -> None:
@@ -492,7 +505,10 @@ class Mutex:
         # steps of an async acquisition run in a child task).
         self._owner_json = owner_metadata(self.label)
         deadline = None if timeout is None else started + timeout
-        return secrets.token_hex(16), started, deadline
+        # A shared token starts with "s", which no hex token does: the scripts
+        # tell shared holders and waiters from exclusive ones by it.
+        token = "s" + secrets.token_hex(16) if self.shared else secrets.token_hex(16)
+        return token, started, deadline
 
     def _refused(self, reply: list[Any], started: float) -> None:
         # The holder's owner record stays raw until an error needs it: a
@@ -822,9 +838,15 @@ class Mutex:
 
     def time_left(self) -> float:
         """Return the seconds left on this handle's lease (asks Redis), 0.0 if it holds none."""
-        if self._current() is None:
+        hold = self._current()
+        if hold is None:
             return 0.0
         with backend_errors(self.name, self.using):
+            if hold.shared:
+                pipe = get_client(self.using).pipeline(transaction=False)
+                pipe.hget(self.keys.lock, "r:" + hold.token)
+                pipe.time()
+                return _shared_left(*pipe.execute())
             pipe = get_client(self.using).pipeline(transaction=False)
             pipe.hget(self.keys.lock, "token")
             pipe.pttl(self.keys.lock)
@@ -833,9 +855,15 @@ class Mutex:
 
     async def atime_left(self) -> float:
         """Async twin of :meth:`time_left`."""
-        if self._current() is None:
+        hold = self._current()
+        if hold is None:
             return 0.0
         with backend_errors(self.name, self.using):
+            if hold.shared:
+                pipe = (await get_async_client(self.using)).pipeline(transaction=False)
+                pipe.hget(self.keys.lock, "r:" + hold.token)
+                pipe.time()
+                return _shared_left(*(await pipe.execute()))
             pipe = (await get_async_client(self.using)).pipeline(transaction=False)
             pipe.hget(self.keys.lock, "token")
             pipe.pttl(self.keys.lock)
@@ -848,6 +876,11 @@ class Mutex:
         if hold is None:
             return False
         with backend_errors(self.name, self.using):
+            if hold.shared:
+                pipe = get_client(self.using).pipeline(transaction=False)
+                pipe.hget(self.keys.lock, "r:" + hold.token)
+                pipe.time()
+                return _shared_left(*pipe.execute()) > 0
             token = get_client(self.using).hget(self.keys.lock, "token")
         return decode(token) == hold.token
 
@@ -857,7 +890,13 @@ class Mutex:
         if hold is None:
             return False
         with backend_errors(self.name, self.using):
-            token = await (await get_async_client(self.using)).hget(self.keys.lock, "token")
+            client = await get_async_client(self.using)
+            if hold.shared:
+                pipe = client.pipeline(transaction=False)
+                pipe.hget(self.keys.lock, "r:" + hold.token)
+                pipe.time()
+                return _shared_left(*(await pipe.execute())) > 0
+            token = await client.hget(self.keys.lock, "token")
         return decode(token) == hold.token
 
     def locked(self) -> bool:
@@ -881,16 +920,20 @@ class Mutex:
         return await self.atime_left()
 
     def owner(self) -> Owner | None:
-        """Return who holds the lock (host, pid, thread, label), or None if free."""
+        """Return who holds the lock (host, pid, thread, label), or None if free.
+
+        For a lock held shared, one of its shared holders (see
+        :func:`~django_redis_mutex.held_locks` for all of them).
+        """
         with backend_errors(self.name, self.using):
-            raw = get_client(self.using).hget(self.keys.lock, "owner")
-        return parse_owner(raw)
+            fields = get_client(self.using).hgetall(self.keys.lock)
+        return _holder_owner(fields)
 
     async def aowner(self) -> Owner | None:
         """Async twin of :meth:`owner`."""
         with backend_errors(self.name, self.using):
-            raw = await (await get_async_client(self.using)).hget(self.keys.lock, "owner")
-        return parse_owner(raw)
+            fields = await (await get_async_client(self.using)).hgetall(self.keys.lock)
+        return _holder_owner(fields)
 
     # -- context manager -----------------------------------------------------
     #
@@ -1128,3 +1171,23 @@ def _flag(what: str, value: object) -> bool:
     if not isinstance(value, bool):
         raise TypeError(f"{what} must be True or False, not {value!r}.")
     return value
+
+
+def _shared_left(record: Any, server_time: Any) -> float:
+    """Return the seconds left on a shared holder's record (0.0 if gone), by the server clock."""
+    if not record:
+        return 0.0
+    ends = int(decode(record).split("|", 1)[0])
+    now_ms = int(server_time[0]) * 1000 + int(server_time[1]) // 1000
+    return max(0, ends - now_ms) / 1000
+
+
+def _holder_owner(fields: dict[Any, Any]) -> Owner | None:
+    """Return the owner in a lock hash: the exclusive holder's, else a shared holder's."""
+    record = {decode(key): decode(value) for key, value in fields.items()}
+    if "owner" in record:
+        return parse_owner(record["owner"])
+    for key, value in sorted(record.items()):
+        if key.startswith("r:"):
+            return parse_owner(value.split("|", 3)[3])
+    return None

@@ -71,6 +71,11 @@ class QuorumMutex(Mutex):
         aliases = _quorum_aliases(using)
         super().__init__(name, using=using if isinstance(using, str) else aliases[0], **options)
         self.aliases = aliases
+        if self.shared:
+            raise ImproperlyConfigured(
+                f"Lock {self.name!r} cannot be shared on a quorum of masters: shared "
+                "locks live on one Redis (a master with replicas, Sentinel or Cluster)."
+            )
         for alias in aliases:
             if get_settings(alias).wait_replicas:
                 raise ImproperlyConfigured(

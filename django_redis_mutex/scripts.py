@@ -50,6 +50,7 @@ from redis.exceptions import NoScriptError
 
 __all__ = [
     "ACQUIRE",
+    "ACQUIRE_SHARED",
     "CANCEL",
     "EXTEND",
     "FENCE_RETENTION",
@@ -125,6 +126,25 @@ local function grant(token, ttl, owner, queued)
   redis.call('PEXPIRE', KEYS[1], ttl)
   return fence
 end
+
+-- Shared holders: one field 'r:<token>' each, '<lease end ms>|<fence>|<taken
+-- ms>|<owner JSON>', in the same hash, which then has no 'token' field. The
+-- hash lives as long as its longest lease; a lease that ended is dropped by
+-- the next script that looks (live_readers), so one dead holder never keeps
+-- the others' lock. A shared token starts with 's' (exclusive ones are hex).
+local function is_shared(token)
+  return string.byte(token, 1) == 115
+end
+
+local function grant_shared(token, ttl, owner)
+  local fence = next_fence()
+  local now_ms = math.floor(now / 1000)
+  ttl = tonumber(ttl)
+  redis.call('HSET', KEYS[1], 'r:' .. token,
+             (now_ms + ttl) .. '|' .. fence .. '|' .. now_ms .. '|' .. owner)
+  if redis.call('PTTL', KEYS[1]) < ttl then redis.call('PEXPIRE', KEYS[1], ttl) end
+  return fence
+end
 """
 
 # The queue: only the contended paths reach these definitions.
@@ -144,25 +164,80 @@ local function first_in_line()
   return redis.call('ZRANGE', KEYS[3], 0, 0)[1]
 end
 
--- Give the free lock to waiter head (first in line, alive) with the hand-off
--- lease. Wake it here when its list is the one declared as KEYS[6] (expected
--- is the token it belongs to) and return true; else return head's token for
--- the caller to send WAKE.
-local function hand_to(head, expected)
-  local info = redis.call('HGET', KEYS[5], head) or ''
-  forget_waiter(head)
+-- The fields of a shared holder's record: lease end (ms), fence, pttl left.
+local function reader_state(value, now_ms)
+  local a = string.find(value, '|', 1, true)
+  local b = string.find(value, '|', a + 1, true)
+  local ends = tonumber(string.sub(value, 1, a - 1))
+  return ends, string.sub(value, a + 1, b - 1), ends - now_ms
+end
+
+-- Drop the shared holders whose lease ended; return how many are left. A hash
+-- left with no holder at all is deleted, so the lock reads as free.
+local function live_readers(now_ms)
+  local fields = redis.call('HGETALL', KEYS[1])
+  local live, exclusive = 0, false
+  for i = 1, #fields, 2 do
+    local field = fields[i]
+    if string.sub(field, 1, 2) == 'r:' then
+      if reader_state(fields[i + 1], now_ms) <= now_ms then
+        redis.call('HDEL', KEYS[1], field)
+      else
+        live = live + 1
+      end
+    elseif field == 'token' then
+      exclusive = true
+    end
+  end
+  if live == 0 and not exclusive and #fields > 0 then redis.call('DEL', KEYS[1]) end
+  return live
+end
+
+-- A waiter's terms, read and forgotten as it leaves the line: (hand-off lease, owner).
+local function leave_line(token)
+  local info = redis.call('HGET', KEYS[5], token) or ''
+  forget_waiter(token)
   local ttl, owner = 30000, '{}'
   local sep = string.find(info, '|', 1, true)
   if sep then
     ttl = tonumber(string.sub(info, 1, sep - 1))
     owner = string.sub(info, sep + 1)
   end
+  return math.min(ttl, HANDOFF_LEASE), owner
+end
+
+-- Give the lock to waiter head (first in line, alive) with the hand-off lease:
+-- an exclusive waiter only when the lock is free; a shared one (with every
+-- shared waiter right behind it) when no exclusive holder has it. Wake the
+-- waiter whose list is KEYS[6] (expected is its token) here; return true when
+-- nobody else needs waking, else the other granted tokens, space-separated,
+-- for the caller to send WAKE.
+local function hand_to(head, expected)
+  local granted = {}
+  if is_shared(head) then
+    local next_token = head
+    while next_token and is_shared(next_token) do
+      local ttl, owner = leave_line(next_token)
+      granted[#granted + 1] = {next_token, grant_shared(next_token, ttl, owner)}
+      next_token = first_in_line()
+    end
+  else
+    local ttl, owner = leave_line(head)
+    granted[1] = {head, grant(head, ttl, owner, false)}
+  end
   local after = first_in_line()
-  local fence = grant(head, math.min(ttl, HANDOFF_LEASE), owner, after)
-  if head ~= expected then return head end
-  redis.call('RPUSH', KEYS[6], fence .. '|' .. (after or ''))
-  redis.call('PEXPIRE', KEYS[6], WAIT_LEASE)
-  return true
+  if after then redis.call('HSET', KEYS[1], 'queued', '1') end
+  local others = {}
+  for _, entry in ipairs(granted) do
+    if entry[1] == expected then
+      redis.call('RPUSH', KEYS[6], entry[2] .. '|' .. (after or ''))
+      redis.call('PEXPIRE', KEYS[6], WAIT_LEASE)
+    else
+      others[#others + 1] = entry[1]
+    end
+  end
+  if #others == 0 then return true end
+  return table.concat(others, ' ')
 end
 
 -- Give the free lock to the first live waiter: false when there is none, else
@@ -190,6 +265,30 @@ class LuaScript:
         sha = hashlib.sha1(self.source.encode()).hexdigest()
         object.__setattr__(self, "sha", sha)
         object.__setattr__(self, "packed_head", b"$7\r\nEVALSHA\r\n$40\r\n%s\r\n" % sha.encode())
+
+
+# The end of ACQUIRE and ACQUIRE_SHARED for a caller that did not get the lock:
+# join the line (when blocking) and answer {0, pttl ms of the lock, holder
+# owner JSON or '', woken}.
+_JOIN_LINE = r"""
+if ARGV[4] == '1' then
+  if redis.call('ZADD', KEYS[3], 'NX', now_text, token) == 1 then
+    -- A new place in line: a wake-up left from an earlier hand-over that lapsed
+    -- must not be taken for a new one.
+    redis.call('DEL', KEYS[6])
+  end
+  redis.call('ZADD', KEYS[4], now_ms + WAIT_LEASE, token)
+  redis.call('HSET', KEYS[5], token, ARGV[2] .. '|' .. owner)
+  -- Waiters check in every half lease, so the queue outlives its last waiter
+  -- by at most one lease.
+  redis.call('PEXPIRE', KEYS[3], WAIT_LEASE)
+  redis.call('PEXPIRE', KEYS[4], WAIT_LEASE)
+  redis.call('PEXPIRE', KEYS[5], WAIT_LEASE)
+  -- The lock is held here (by someone else, or by the waiter just handed it).
+  redis.call('HSET', KEYS[1], 'queued', '1')
+end
+return {0, redis.call('PTTL', KEYS[1]), redis.call('HGET', KEYS[1], 'owner') or '', woken}
+"""
 
 
 # ACQUIRE
@@ -226,7 +325,7 @@ if holder == token then
 end
 local now_ms = math.floor(now / 1000)
 local woken = ''
-if not holder then
+if not holder and live_readers(now_ms) == 0 then
   prune_dead_waiters(now_ms)
   local head = first_in_line()
   if (not head) or head == token then
@@ -240,24 +339,59 @@ if not holder then
   -- wake-up list is not ours to touch: the caller wakes it.
   woken = hand_to(head, nil)
 end
-if ARGV[4] == '1' then
-  if redis.call('ZADD', KEYS[3], 'NX', now_text, token) == 1 then
-    -- A new place in line: a wake-up left from an earlier hand-over that lapsed
-    -- must not be taken for a new one.
-    redis.call('DEL', KEYS[6])
-  end
-  redis.call('ZADD', KEYS[4], now_ms + WAIT_LEASE, token)
-  redis.call('HSET', KEYS[5], token, ARGV[2] .. '|' .. owner)
-  -- Waiters check in every half lease, so the queue outlives its last waiter
-  -- by at most one lease.
-  redis.call('PEXPIRE', KEYS[3], WAIT_LEASE)
-  redis.call('PEXPIRE', KEYS[4], WAIT_LEASE)
-  redis.call('PEXPIRE', KEYS[5], WAIT_LEASE)
-  -- The lock is held here (by someone else, or by the waiter just handed it).
-  redis.call('HSET', KEYS[1], 'queued', '1')
+"""
+    + _JOIN_LINE,
+)
+
+
+# ACQUIRE_SHARED: ACQUIRE for a shared holder (its token starts with 's').
+# Same KEYS, ARGV and answers. A shared holder gets in whenever no exclusive
+# holder has the lock and no exclusive waiter is first in line: a writer that
+# waits blocks new readers, so a stream of readers never starves it.
+ACQUIRE_SHARED = LuaScript(
+    "acquire_shared",
+    _CONSTANTS
+    + _CLOCK
+    + _GRANT
+    + r"""
+local token, owner = ARGV[1], ARGV[3]
+if redis.call('EXISTS', KEYS[1], KEYS[3]) == 0 then
+  return grant_shared(token, ARGV[2], owner)
 end
-return {0, redis.call('PTTL', KEYS[1]), redis.call('HGET', KEYS[1], 'owner') or '', woken}
-""",
+local ttl = tonumber(ARGV[2])
+"""
+    + _QUEUE
+    + r"""
+local now_ms = math.floor(now / 1000)
+local mine = redis.call('HGET', KEYS[1], 'r:' .. token)
+if mine then
+  local _, fence, left = reader_state(mine, now_ms)
+  if left > 0 then
+    -- Handed to us between two check-ins: our wake-up is no longer needed.
+    redis.call('DEL', KEYS[6])
+    return {1, fence, left, first_in_line() or ''}
+  end
+end
+local woken = ''
+if not redis.call('HGET', KEYS[1], 'token') then
+  local live = live_readers(now_ms)
+  prune_dead_waiters(now_ms)
+  local head = first_in_line()
+  if (not head) or head == token or is_shared(head) then
+    forget_waiter(token)
+    redis.call('DEL', KEYS[6])
+    local after = first_in_line()
+    local fence = grant_shared(token, ttl, owner)
+    if after then redis.call('HSET', KEYS[1], 'queued', '1') end
+    return {1, fence, -1, after or ''}
+  end
+  if live == 0 then
+    -- Free, and an exclusive waiter is first in line: it gets the lock now.
+    woken = hand_to(head, nil)
+  end
+end
+"""
+    + _JOIN_LINE,
 )
 
 # RELEASE
@@ -271,15 +405,33 @@ RELEASE = LuaScript(
     "release",
     r"""
 local found = redis.call('HMGET', KEYS[1], 'token', 'queued')
-if found[1] ~= ARGV[1] then return 0 end
-redis.call('DEL', KEYS[1])
-if not found[2] then return 1 end
+local shared = nil
+if found[1] ~= ARGV[1] then
+  if found[1] then return 0 end
+  shared = redis.call('HGET', KEYS[1], 'r:' .. ARGV[1])
+  if not shared then return 0 end
+else
+  redis.call('DEL', KEYS[1])
+  if not found[2] then return 1 end
+end
 """
     + _CONSTANTS
     + _CLOCK
     + _GRANT
     + _QUEUE
     + r"""
+if shared then
+  local now_ms = math.floor(now / 1000)
+  -- A shared lease that ended is no longer the caller's, even while its
+  -- record waits to be dropped: 0, as for an expired exclusive lock. The
+  -- first waiter's next check-in finds the lock free.
+  local ended = reader_state(shared, now_ms) <= now_ms
+  redis.call('HDEL', KEYS[1], 'r:' .. ARGV[1])
+  local left = live_readers(now_ms)
+  if ended then return 0 end
+  -- The lock is free once no other shared holder is left (the hash is gone).
+  if left > 0 or not found[2] then return 1 end
+end
 local handed = hand_off(ARGV[2])
 if handed == false then return 1 end
 if handed == true then return 2 end
@@ -294,8 +446,25 @@ return handed
 EXTEND = LuaScript(
     "extend",
     r"""
-if redis.call('HGET', KEYS[1], 'token') ~= ARGV[1] then return 0 end
-redis.call('PEXPIRE', KEYS[1], ARGV[2])
+if redis.call('HGET', KEYS[1], 'token') == ARGV[1] then
+  redis.call('PEXPIRE', KEYS[1], ARGV[2])
+  return 1
+end
+-- A shared holder: its own lease, in its record; the hash lives as long as
+-- the longest. A lease that already ended is not brought back.
+local field = 'r:' .. ARGV[1]
+local record = redis.call('HGET', KEYS[1], field)
+if not record then return 0 end
+local clock = redis.call('TIME')
+local now_ms = tonumber(clock[1]) * 1000 + math.floor(tonumber(clock[2]) / 1000)
+local sep = string.find(record, '|', 1, true)
+if tonumber(string.sub(record, 1, sep - 1)) <= now_ms then
+  redis.call('HDEL', KEYS[1], field)
+  return 0
+end
+local ttl = tonumber(ARGV[2])
+redis.call('HSET', KEYS[1], field, (now_ms + ttl) .. string.sub(record, sep))
+if redis.call('PTTL', KEYS[1]) < ttl then redis.call('PEXPIRE', KEYS[1], ttl) end
 return 1
 """,
 )
@@ -322,8 +491,22 @@ if holder == token then
   return {1, redis.call('HGET', KEYS[1], 'fence'), redis.call('PTTL', KEYS[1]),
           first_in_line() or ''}
 end
+local now_ms = math.floor(now / 1000)
+local mine = redis.call('HGET', KEYS[1], 'r:' .. token)
+if mine then
+  local _, fence, left = reader_state(mine, now_ms)
+  if left > 0 then return {1, fence, left, first_in_line() or ''} end
+end
 if not holder then
-  local handed = hand_off(nil)
+  local handed = false
+  if live_readers(now_ms) == 0 then
+    handed = hand_off(nil)
+  else
+    -- Shared holders have it: shared waiters now first in line may join them.
+    prune_dead_waiters(now_ms)
+    local head = first_in_line()
+    if head and is_shared(head) then handed = hand_to(head, nil) end
+  end
   if handed then return {0, handed} end
 end
 return {0}
@@ -359,10 +542,16 @@ WAKE = LuaScript(
     "wake",
     f"local WAIT_LEASE = {int(WAIT_LEASE * 1000)}\n"
     + r"""
-local found = redis.call('HMGET', KEYS[1], 'token', 'fence')
-if found[1] ~= ARGV[1] then return 0 end
+local found = redis.call('HMGET', KEYS[1], 'token', 'fence', 'r:' .. ARGV[1])
+local fence = found[2]
+if found[1] ~= ARGV[1] then
+  -- A shared holder's record: '<lease end>|<fence>|...'.
+  if found[1] or not found[3] then return 0 end
+  local a = string.find(found[3], '|', 1, true)
+  fence = string.sub(found[3], a + 1, string.find(found[3], '|', a + 1, true) - 1)
+end
 local after = redis.call('ZRANGE', KEYS[2], 0, 0)[1] or ''
-redis.call('RPUSH', KEYS[3], found[2] .. '|' .. after)
+redis.call('RPUSH', KEYS[3], fence .. '|' .. after)
 redis.call('PEXPIRE', KEYS[3], WAIT_LEASE)
 return 1
 """,
