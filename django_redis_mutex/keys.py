@@ -10,7 +10,9 @@ The layout of one lock, written here and nowhere else (``<lock>`` is
 
     <lock>               hash: token, fence, owner (JSON); ``queued`` once someone
                          waits behind this holder; ``acquired`` (ms) only when the
-                         fence is not the server clock in µs (see scripts.py)
+                         fence is not the server clock in µs (see scripts.py).
+                         Held shared: no token, one ``r:<token>`` field per
+                         holder, "<lease end ms>|<fence>|<taken ms>|<owner JSON>"
     <lock>:fence         string: the last fencing token handed out for this name
     <lock>:queue         zset: waiting tokens, scored by arrival (FIFO order)
     <lock>:leases        zset: waiting tokens, scored by the ms their wait lease ends

@@ -23,6 +23,12 @@ sends :data:`WAKE` for it as a second step. A wake-up lost with a client that
 died between those steps costs the waiter at most one check-in: its next
 ACQUIRE finds the lock already granted to it.
 
+Shared holders (tokens starting with ``s``) are admitted by ACQUIRE_SHARED
+while no exclusive holder has the lock and no exclusive waiter is first in
+line; every other script serves both kinds, telling them apart by the token.
+A hand-off to a shared waiter also admits the shared waiters right behind it,
+so those scripts may answer with several tokens to wake, space-separated.
+
 A wake-up is pushed only while the lock is the waiter's (inside the granting
 script, or by WAKE after checking), and a waiter that takes a new place in line
 has its list cleared, so a wake-up it pops was pushed after its last refused
@@ -399,8 +405,9 @@ end
 # list of the waiter the holder expects to be next.
 # ARGV[1] token, ARGV[2] (with KEYS[6]) that waiter's token.
 # Returns 0 when the caller did not hold the lock (nothing is touched),
-# 1 when released with nobody waiting, 2 when handed to the expected waiter and
-# woken, else the token of the waiter it was handed to, which the caller must WAKE.
+# 1 when released with nobody waiting (or shared holders left), 2 when handed
+# to the expected waiter and woken, else the token(s) of the waiter(s) it was
+# handed to, space-separated, which the caller must WAKE.
 RELEASE = LuaScript(
     "release",
     r"""

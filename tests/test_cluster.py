@@ -261,6 +261,40 @@ def test_reset_hands_a_cluster_lock_to_its_waiter(cluster_caches: RedisClusterSe
         holder.release()
 
 
+def test_shared_holders_hand_over_to_a_writer_and_back_on_the_cluster(
+    cluster_caches: RedisClusterServers,
+) -> None:
+    first = Mutex("shared-on-cluster", using=ALIAS, shared=True)
+    second = Mutex("shared-on-cluster", using=ALIAS, shared=True)
+    assert first.acquire() and second.acquire()
+    reader_fences = [first.fence or 0, second.fence or 0]
+    [listed] = held_locks(using=ALIAS)
+    assert listed.shared and len(listed.holders) == 2
+    entered: list[tuple[str, int]] = []
+
+    def take(tag: str, shared: bool) -> None:
+        lock = Mutex("shared-on-cluster", using=ALIAS, shared=shared, timeout=10)
+        if lock.acquire():  # blocks on its wake key, in the lock's slot
+            entered.append((tag, lock.fence or 0))
+            lock.release()
+
+    writer = threading.Thread(target=take, args=("writer", False))
+    writer.start()
+    wait_until(lambda: held_locks(using=ALIAS)[0].waiters == 1, 5, "the writer to queue")
+    reader = threading.Thread(target=take, args=("reader", True))
+    reader.start()
+    wait_until(lambda: held_locks(using=ALIAS)[0].waiters == 2, 5, "the reader to queue")
+    first.release()
+    assert entered == []
+    second.release()
+    writer.join(10)
+    reader.join(10)
+
+    assert [tag for tag, _ in entered] == ["writer", "reader"]
+    assert min(reader_fences) > 0 and entered[0][1] > max(reader_fences)
+    assert held_locks(using=ALIAS) == []
+
+
 # -- renewal and async -------------------------------------------------------------------------
 
 
