@@ -39,6 +39,7 @@ from datetime import datetime, timezone
 from functools import lru_cache, wraps
 from typing import Any, ClassVar, Literal, TypeVar, cast
 
+from django.core.exceptions import ImproperlyConfigured
 from redis import exceptions as redis_errors
 
 from . import scripts
@@ -46,7 +47,7 @@ from .client import backend_errors, get_client, namespace
 from .conf import get_settings, validate_timeout, validate_ttl
 from .decorators import EnteredHandles, MutexContext
 from .driver import REDIS_TICK, AsyncDriver, Pop, Script, Steps, run_steps
-from .exceptions import LockContended, LockLost, LockNotOwned
+from .exceptions import LockBackendUnavailable, LockContended, LockLost, LockNotOwned
 from .holds import Lease, decode, owner_metadata
 from .keys import escape_name, glob_escape, unescape_name, validate_label, validate_name
 from .lock import DEFAULT
@@ -286,6 +287,15 @@ class Semaphore:
             )
         self.label = validate_label(label)
         settings = get_settings(using)
+        if settings.quorum:
+            raise ImproperlyConfigured(
+                f"Semaphore {self.name!r} cannot use cache {using!r}: its MUTEX block names a "
+                "QUORUM, and a semaphore lives on one Redis (a master with replicas, "
+                "Sentinel or Cluster). Use one of the quorum's member aliases."
+            )
+        self.fail_open = settings.fail_open
+        # One entry per entered block: True when it runs unlocked (FAIL_OPEN).
+        self._unlocked_blocks: list[bool] = []
         self.using = using
         self.ttl = settings.ttl if ttl is DEFAULT else validate_ttl(ttl)
         self.timeout = settings.timeout if timeout is DEFAULT else validate_timeout(timeout)
@@ -578,16 +588,44 @@ class Semaphore:
     # -- with / async with ----------------------------------------------------
 
     def __enter__(self) -> Semaphore:
-        if not self.acquire():
+        try:
+            acquired = self.acquire()
+        except LockBackendUnavailable as unavailable:
+            return self._enter_unlocked(unavailable)
+        if not acquired:
             raise self.contended()
+        self._unlocked_blocks.append(False)
         return self
 
     async def __aenter__(self) -> Semaphore:
-        if not await self.aacquire():
+        try:
+            acquired = await self.aacquire()
+        except LockBackendUnavailable as unavailable:
+            return self._enter_unlocked(unavailable)
+        if not acquired:
             raise self.contended()
+        self._unlocked_blocks.append(False)
         return self
 
+    def _enter_unlocked(self, unavailable: LockBackendUnavailable) -> Semaphore:
+        """Run the block without a permit when the alias is FAIL_OPEN, as a lock's block does."""
+        if not self.fail_open:
+            raise unavailable
+        logger.warning(
+            "FAIL_OPEN: running %r without a semaphore permit because Redis is unavailable: %s",
+            self.name,
+            unavailable,
+        )
+        self._unlocked_blocks.append(True)
+        return self
+
+    def _left_unlocked(self) -> bool:
+        """Note that a block ends; return True if it ran without a permit (FAIL_OPEN)."""
+        return bool(self._unlocked_blocks) and self._unlocked_blocks.pop()
+
     def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> Literal[False]:
+        if self._left_unlocked():
+            return False
         try:
             self.release()
         except LockLost as lost:
@@ -600,6 +638,8 @@ class Semaphore:
         return False
 
     async def __aexit__(self, exc_type: Any, exc: Any, tb: Any) -> Literal[False]:
+        if self._left_unlocked():
+            return False
         try:
             await self.arelease()
         except LockLost as lost:

@@ -20,15 +20,18 @@ from typing import Any
 
 import pytest
 from django.conf import settings
+from django.core.exceptions import ImproperlyConfigured
 from django.test import override_settings
 
 from django_redis_mutex import (
     LockBackendUnavailable,
     Mutex,
+    Semaphore,
     held_locks,
     mutex,
     reset,
     reset_all,
+    semaphore,
 )
 from django_redis_mutex.testing import RedisServer, free_port
 
@@ -311,3 +314,46 @@ def test_exit_keeps_body_exception_when_redis_is_down():
     ):
         server.kill()
         raise KeyError("from the body")
+
+
+def test_fail_open_runs_a_semaphore_block_without_a_permit_and_warns(caplog):
+    ran = []
+    with (
+        unreachable(FAIL_OPEN=True),
+        caplog.at_level(logging.WARNING, "django_redis_mutex"),
+        semaphore("exports", 2) as permit,
+    ):
+        ran.append(permit.token)
+    assert ran == [None]
+    assert any(
+        "exports" in r.getMessage() and "FAIL_OPEN" in r.getMessage() for r in caplog.records
+    )
+
+
+def test_fail_open_runs_a_decorated_async_semaphore_function():
+    @semaphore("tenant:{tenant_id}", 1)
+    async def export(tenant_id: int) -> str:
+        return f"exported {tenant_id}"
+
+    with unreachable(FAIL_OPEN=True):
+        assert asyncio.run(export(7)) == "exported 7"
+
+
+def test_without_fail_open_a_semaphore_block_raises_and_never_runs():
+    ran = []
+    with unreachable(), pytest.raises(LockBackendUnavailable), semaphore("exports", 2):
+        ran.append(True)
+    assert ran == []
+
+
+def test_a_semaphore_refuses_a_quorum_alias_with_a_clear_error():
+    caches = copy.deepcopy(settings.CACHES)
+    caches["q"] = copy.deepcopy(caches["default"])
+    caches["q"]["MUTEX"] = {"QUORUM": ["default", "default2", "default3"]}
+    for member in ("default2", "default3"):
+        caches[member] = copy.deepcopy(caches["default"])
+    with (
+        override_settings(CACHES=caches),
+        pytest.raises(ImproperlyConfigured, match="names a QUORUM, and a semaphore lives on one"),
+    ):
+        Semaphore("exports", 2, using="q")
