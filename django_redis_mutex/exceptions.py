@@ -6,7 +6,7 @@ the lock it is about, so a log line or a 503 page can say which lock it was.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from .owners import Owner
@@ -29,6 +29,20 @@ class LockError(Exception):
     def __init__(self, message: str, *, name: str | None = None) -> None:
         super().__init__(message)
         self.name = name
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        # Rebuilt from the message and attributes, not by calling __init__
+        # again: subclasses take keyword-only arguments, and these errors
+        # cross process boundaries (Celery results, multiprocessing pools).
+        return (_rebuild, (type(self), self.args, self.__dict__))
+
+
+def _rebuild(cls: type[LockError], args: tuple[Any, ...], state: dict[str, Any]) -> LockError:
+    """Recreate a pickled LockError without calling its __init__."""
+    error = cls.__new__(cls)
+    error.args = args
+    error.__dict__.update(state)
+    return error
 
 
 class LockContended(LockError):
@@ -105,6 +119,7 @@ class LockNotReplicated(LockBackendUnavailable):
         self.alias = alias
         self.acknowledged = acknowledged
         self.required = required
+        self.timeout = timeout
 
 
 class StaleFence(LockError):

@@ -19,6 +19,7 @@ import copy
 import io
 import math
 import os
+import pickle
 import re
 import subprocess
 import sys
@@ -45,9 +46,15 @@ from redis.crc import key_slot
 
 from django_redis_mutex import (
     LockBackendUnavailable,
+    LockContended,
+    LockError,
     LockLost,
     LockNotOwned,
+    LockNotReplicated,
+    LockUpgradeRefused,
     Mutex,
+    Owner,
+    StaleFence,
     held_locks,
     mutex,
     reset,
@@ -936,3 +943,24 @@ def test_every_key_of_one_lock_hashes_to_one_slot(name, raw, mutex_prefix):
     assert len(stored) == 5  # lock, fence, queue, leases, waiting
     slots = {key_slot(k) for k in stored} | {key_slot(k.encode()) for k in named}
     assert len(slots) == 1
+
+
+@pytest.mark.parametrize(
+    "error",
+    [
+        LockContended("orders", retry_after=3, owner=Owner(host="web1", pid=7), waited=1.5),
+        LockLost("lost it", name="orders"),
+        LockNotOwned("not ours", name="orders"),
+        LockBackendUnavailable("down", name="orders"),
+        LockNotReplicated("orders", alias="default", acknowledged=0, required=2, timeout=0.5),
+        LockUpgradeRefused("no upgrade", name="orders"),
+        StaleFence("orders", fence=5, current=9, target="row 1"),
+    ],
+    ids=lambda error: type(error).__name__,
+)
+def test_every_lock_error_survives_pickling_with_its_message_and_fields(error: LockError) -> None:
+    # Celery result backends and multiprocessing pools pickle a task's exception.
+    restored = pickle.loads(pickle.dumps(error))
+    assert type(restored) is type(error)
+    assert str(restored) == str(error)
+    assert vars(restored) == vars(error)
