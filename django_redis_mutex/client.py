@@ -46,12 +46,15 @@ REDIS_BACKENDS = (DJANGO_REDIS_BACKEND, DJANGO_BUILTIN_BACKEND)
 # Failures of the transport, not of a command: the lock could not be asked.
 # A Redis Cluster that answers TRYAGAIN (a lock's keys split by a slot
 # migration) until redis-py's retries run out, or that is down, ran nothing.
+# A server demoted to replica under a plain client (a failover it was not
+# told of) answers READONLY at a script's first write, so nothing was written.
 UNAVAILABLE = (
     redis_errors.ConnectionError,
     redis_errors.TimeoutError,
     OSError,
     redis_errors.TryAgainError,
     redis_errors.ClusterError,
+    redis_errors.ReadOnlyError,
 )
 
 _lock = threading.Lock()

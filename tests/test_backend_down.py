@@ -19,6 +19,7 @@ from contextlib import contextmanager
 from typing import Any
 
 import pytest
+import redis
 from django.conf import settings
 from django.core.exceptions import ImproperlyConfigured
 from django.test import override_settings
@@ -35,7 +36,7 @@ from django_redis_mutex import (
 )
 from django_redis_mutex.testing import RedisServer, free_port
 
-from .helpers import cache_options, dedicated_redis
+from .helpers import cache_options, dedicated_redis, wait_until
 
 # Generous bound for "promptly": far below the suite's 5 s socket timeout.
 PROMPT = 2.0
@@ -357,3 +358,20 @@ def test_a_semaphore_refuses_a_quorum_alias_with_a_clear_error():
         pytest.raises(ImproperlyConfigured, match="names a QUORUM, and a semaphore lives on one"),
     ):
         Semaphore("exports", 2, using="q")
+
+
+def test_a_master_demoted_to_replica_makes_acquire_raise_backend_unavailable():
+    # A plain client keeps talking to its URL after a failover demoted that
+    # server: every lock write is answered READONLY, and nothing was written.
+    with RedisServer() as new_master, dedicated() as demoted:
+        client = redis.Redis(port=demoted.port)
+        try:
+            client.replicaof("127.0.0.1", new_master.port)
+            wait_until(lambda: client.info("replication")["role"] == "slave", 10, "the demotion")
+            with pytest.raises(LockBackendUnavailable, match="read only replica"):
+                Mutex("inventory").acquire()
+            with pytest.raises(LockBackendUnavailable), mutex("inventory"):
+                pass
+            assert client.dbsize() == 0
+        finally:
+            client.close()
