@@ -20,7 +20,7 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Generator, Sequence
+from collections.abc import Awaitable, Callable, Generator, Sequence
 from typing import Any, NamedTuple, TypeVar
 
 from redis.exceptions import NoScriptError, RedisError, ResponseError
@@ -46,6 +46,7 @@ __all__ = [
     "Script",
     "Sleep",
     "Steps",
+    "run_in_child",
     "run_steps",
 ]
 
@@ -393,6 +394,47 @@ class AsyncDriver:
                 self.in_script = False
         await asyncio.sleep(op.seconds)
         return None
+
+
+async def run_in_child(
+    steps: Steps[T],
+    abandon: Callable[[], Awaitable[None]],
+    passthrough: tuple[type[BaseException], ...] = (),
+) -> T:
+    """Drive acquisition ``steps`` in a child task: a cancellation of the caller is never lost.
+
+    redis-py sends through ``asyncio.wait_for``, which before Python 3.12 can
+    swallow a cancel() landing just as a send completes; a waiter would then
+    sit out its timeout and might take the lock for a task that is gone.
+    Waiting on the child with ``asyncio.wait`` always sees the cancel. A
+    script in flight is let finish, so its reply says whether Redis granted
+    the lock; a blocking wait is cut at once. Then ``abandon()`` (leave the
+    line, give back what was granted) runs shielded from further cancels.
+    It runs too when the steps fail, except with one of ``passthrough``
+    (Redis not answering: a cancel would only wait out another timeout).
+    """
+    driver = AsyncDriver()
+    child = asyncio.ensure_future(driver.run(steps))
+    try:
+        await asyncio.wait({child})
+    except BaseException:
+        driver.stop = True
+        if not driver.in_script:
+            child.cancel()
+        try:
+            await asyncio.shield(asyncio.wait({child}))
+        finally:
+            if child.done() and not child.cancelled():
+                child.exception()  # retrieved, so asyncio does not warn
+            await asyncio.shield(abandon())
+        raise
+    try:
+        return child.result()
+    except passthrough:
+        raise
+    except BaseException:
+        await asyncio.shield(abandon())
+        raise
 
 
 async def _aeach(op: Each) -> Fanned:

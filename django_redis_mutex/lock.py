@@ -32,7 +32,17 @@ from redis import exceptions as redis_errors
 from . import scripts, signals
 from .client import backend_errors, get_async_client, get_client, namespace
 from .conf import MutexSettings, get_settings, validate_timeout, validate_ttl
-from .driver import REDIS_TICK, Acknowledged, AsyncDriver, Pop, Script, Sleep, Steps, run_steps
+from .driver import (
+    REDIS_TICK,
+    Acknowledged,
+    AsyncDriver,
+    Pop,
+    Script,
+    Sleep,
+    Steps,
+    run_in_child,
+    run_steps,
+)
 from .exceptions import (
     LockBackendUnavailable,
     LockContended,
@@ -647,39 +657,12 @@ class Mutex:
     async def _acquire_in_child(
         self, token: str, blocking: bool, deadline: float | None, started: float
     ) -> Grant | None:
-        """Run the acquisition in a child task, so a cancellation of the caller is never lost.
-
-        redis-py sends through ``asyncio.wait_for``, which before Python 3.12
-        can swallow a cancel() landing just as a send completes; a waiter would
-        then sit out its timeout and might take the lock for a task that is
-        gone. Waiting on the child with ``asyncio.wait`` always sees the cancel.
-        A script in flight is let finish, so its reply says whether Redis granted
-        the lock, and the lock is then given back; a blocking wait is cut at once.
-        """
-        driver = AsyncDriver()
-        child = asyncio.ensure_future(
-            driver.run(self._acquisition_steps(token, blocking, deadline, started))
+        """Run the acquisition with :func:`~.driver.run_in_child`: a cancel is never lost."""
+        return await run_in_child(
+            self._acquisition_steps(token, blocking, deadline, started),
+            lambda: self._aabandon(token),
+            (redis_errors.TimeoutError, LockBackendUnavailable),
         )
-        try:
-            await asyncio.wait({child})
-        except BaseException:
-            driver.stop = True
-            if not driver.in_script:
-                child.cancel()
-            try:
-                await asyncio.shield(asyncio.wait({child}))
-            finally:
-                if child.done() and not child.cancelled():
-                    child.exception()  # retrieved, so asyncio does not warn
-                await asyncio.shield(self._aabandon(token))
-            raise
-        try:
-            return child.result()
-        except (redis_errors.TimeoutError, LockBackendUnavailable):
-            raise
-        except BaseException:
-            await asyncio.shield(self._aabandon(token))
-            raise
 
     async def _aabandon(self, token: str) -> None:
         try:

@@ -46,7 +46,7 @@ from . import scripts
 from .client import backend_errors, get_client, namespace
 from .conf import get_settings, validate_timeout, validate_ttl
 from .decorators import EnteredHandles, MutexContext
-from .driver import REDIS_TICK, AsyncDriver, Pop, Script, Steps, run_steps
+from .driver import REDIS_TICK, AsyncDriver, Pop, Script, Steps, run_in_child, run_steps
 from .exceptions import LockBackendUnavailable, LockContended, LockLost, LockNotOwned
 from .holds import Lease, decode, owner_metadata
 from .keys import escape_name, glob_escape, unescape_name, validate_label, validate_name
@@ -461,15 +461,11 @@ class Semaphore:
         deadline = None if timeout is None else started + timeout
         try:
             with backend_errors(self.name, self.using):
-                try:
-                    granted = await AsyncDriver().run(
-                        self._acquire_steps(token, owner, blocking, deadline)
-                    )
-                except redis_errors.TimeoutError:
-                    raise
-                except BaseException:
-                    await self._aabandon(token)
-                    raise
+                granted = await run_in_child(
+                    self._acquire_steps(token, owner, blocking, deadline),
+                    lambda: self._aabandon(token),
+                    (redis_errors.TimeoutError, LockBackendUnavailable),
+                )
             if granted is None:
                 self._refused(started)
                 return False

@@ -292,6 +292,30 @@ def test_async_acquire_times_out_then_succeeds_after_a_release(raw: redis.Redis)
     assert asyncio.run(main()) == (False, True)
 
 
+def test_a_cancelled_async_waiter_leaves_the_line_and_never_keeps_a_permit(
+    raw: redis.Redis,
+) -> None:
+    async def main() -> tuple[bool, int, bool]:
+        holder = Semaphore("cancelled-wait", 1, ttl=10)
+        assert await holder.aacquire(blocking=False)
+        waiter = Semaphore("cancelled-wait", 1)
+        waiting = asyncio.create_task(waiter.aacquire(timeout=30))
+        await asyncio.to_thread(wait_until, lambda: queued(raw, "cancelled-wait") == 1)
+        waiting.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await waiting
+        left_line = queued(raw, "cancelled-wait") == 0
+        await holder.arelease()
+        # Nobody was handed the freed permit: a newcomer gets it at once.
+        newcomer = Semaphore("cancelled-wait", 1)
+        free = await newcomer.aacquire(blocking=False)
+        holders = sum(len(held.holders) for held in held_semaphores())
+        await newcomer.arelease()
+        return left_line, holders, free and waiter.token is None
+
+    assert asyncio.run(main()) == (True, 1, True)
+
+
 def test_the_decorator_fills_the_name_template_per_call(raw: redis.Redis) -> None:
     seen: list[Any] = []
 
