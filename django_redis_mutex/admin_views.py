@@ -1,7 +1,7 @@
 """Admin views of the lock inspector: the live list of held locks and force-release.
 
 Nothing here touches the database except the admin history: the list is read
-from Redis on every request through :func:`~django_redis_mutex.introspection.held_locks`,
+from Redis on every request through :func:`~django_redis_mutex.introspection.listed_locks`,
 and a release is :func:`~django_redis_mutex.introspection.reset`. The filter
 fields (``host``, ``pid``, ``label``, ``older_than`` query parameters) build a
 :class:`~django_redis_mutex.filters.LockFilter`, as the ``locks`` command's
@@ -10,6 +10,10 @@ when it is confirmed, each with
 :func:`~django_redis_mutex.introspection.reset_listed`. The views are
 reached only through :class:`django_redis_mutex.admin.LockAdmin`, which wraps
 them with ``admin_site.admin_view`` (login, staff, CSRF, no caching).
+
+A lock held shared is listed once, marked shared, with a line per holder; its
+release frees every holder, or under a filter only the holders the filter
+selects (:meth:`~django_redis_mutex.filters.LockFilter.select`).
 
 The same page lists the counting semaphores with a permit held (read with
 :func:`~django_redis_mutex.semaphore.held_semaphores`), one row per permit, and
@@ -20,7 +24,9 @@ and the confirm-then-POST flow of a lock release.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterable, Mapping
+from datetime import datetime
 from typing import Any, Protocol
 from urllib.parse import urlencode
 
@@ -43,7 +49,6 @@ from .introspection import (
     HeldLock,
     ListedLock,
     ensure_resettable,
-    held_locks,
     listed_locks,
     quorum_members,
     reset,
@@ -51,6 +56,7 @@ from .introspection import (
 )
 from .keys import validate_name
 from .models import Lock
+from .owners import Owner
 from .semaphore import HeldSemaphore, held_semaphores, reset_semaphore
 
 
@@ -183,23 +189,49 @@ def _row(
 ) -> dict[str, Any]:
     # Names and labels may come from request data: what a person reads shows
     # control and bidi characters escaped; ``name`` stays exact for the form.
-    owner = held.owner
+    # The owner fields are the holder's, or a shared lock's earliest holder's;
+    # ``holders`` has one entry per holder either way (one for an exclusive lock).
+    if held.shared:
+        holders = [
+            _holder(h.owner, h.acquired_at, _since(h.acquired_at), h.time_left, h.fence)
+            for h in held.holders
+        ]
+    else:
+        holders = [_holder(held.owner, held.acquired_at, held.held_for, held.time_left, held.fence)]
     return {
+        **holders[0],
         "name": held.name,
         "shown_name": terminal_safe(held.name),
+        "shared": held.shared,
+        "holders": holders,
+        "time_left": duration(held.time_left),
+        "time_left_parts": _wrap_points(duration(held.time_left)),
+        "waiters": held.waiters,
+        "release_url": _url(release_url, using=using, name=held.name, **(filters or {})),
+    }
+
+
+def _holder(
+    owner: Owner, acquired_at: datetime, held_for: float, time_left: float, fence: int
+) -> dict[str, Any]:
+    """Return what the templates show of one holder: owner, times and fence."""
+    return {
         "host": terminal_safe(owner.host or ""),
         "pid": "" if owner.pid is None else owner.pid,
         "thread": terminal_safe(owner.thread or ""),
         "label": terminal_safe(owner.label or ""),
-        "acquired_at": held.acquired_at,
-        "held_for": duration(held.held_for),
-        "time_left": duration(held.time_left),
-        "held_for_parts": _wrap_points(duration(held.held_for)),
-        "time_left_parts": _wrap_points(duration(held.time_left)),
-        "fence": held.fence,
-        "waiters": held.waiters,
-        "release_url": _url(release_url, using=using, name=held.name, **(filters or {})),
+        "acquired_at": acquired_at,
+        "held_for": duration(held_for),
+        "time_left": duration(time_left),
+        "held_for_parts": _wrap_points(duration(held_for)),
+        "time_left_parts": _wrap_points(duration(time_left)),
+        "fence": fence,
     }
+
+
+def _since(moment: datetime) -> float:
+    """Seconds from ``moment`` until now by this server's clock, as ``HeldLock.held_for``."""
+    return max(0.0, time.time() - moment.timestamp())
 
 
 def _wrap_points(text: str) -> list[str]:
@@ -274,7 +306,7 @@ def lock_list(
                 # Listing every lock under a filter the operator believes applies
                 # would invite releasing the wrong ones: list nothing.
                 raise _BadFilter(filters.error_text())
-            found = held_locks(using)
+            found = listed_locks(using)
             found_semaphores = _semaphores_of(using)
         except _BadFilter as exc:
             # Reloading would only repeat the error while the operator fixes it.
@@ -287,10 +319,12 @@ def lock_list(
             context["error"] = str(exc)
             status = 404
         else:
+            # A shared lock is narrowed to the holders the filter selects, which
+            # are those a release through this filtered list frees.
             matching = [
-                h
-                for h in found
-                if query.casefold() in h.name.casefold() and filters.lock_filter.matches(h)
+                h.held
+                for h in _selected(found, filters.lock_filter)
+                if query.casefold() in h.held.name.casefold()
             ]
             context["locks"] = [_row(h, release_url, using, chosen) for h in matching]
             context["total"] = len(found)
@@ -303,6 +337,13 @@ def lock_list(
     context.update(extra_context or {})
     request.current_app = model_admin.admin_site.name
     return TemplateResponse(request, "django_redis_mutex/admin/locks.html", context, status=status)
+
+
+def _selected(listed: Iterable[ListedLock], lock_filter: LockFilter) -> list[ListedLock]:
+    """Return the locks ``lock_filter`` selects, a shared one narrowed to its matching holders."""
+    if not lock_filter:
+        return list(listed)
+    return [chosen for item in listed if (chosen := lock_filter.select(item)) is not None]
 
 
 def _requested_names(values: Iterable[str]) -> list[str]:
@@ -321,6 +362,13 @@ def _requested_names(values: Iterable[str]) -> list[str]:
 def _describe(held: HeldLock | None) -> str:
     if held is None:
         return _("owner unknown: it was not held when the page was read")
+    if held.shared:
+        return _("shared, holders %(holders)s") % {
+            "holders": "; ".join(
+                _("fence %(fence)d, owner %(owner)s") % {"fence": h.fence, "owner": h.owner}
+                for h in held.holders
+            )
+        }
     return _("fence %(fence)d, owner %(owner)s") % {"fence": held.fence, "owner": held.owner}
 
 
@@ -402,8 +450,12 @@ def release_locks(request: HttpRequest, model_admin: LockAdmin) -> HttpResponse:
     if request.method == "POST":
         return _perform_release(request, names, using, held, back)
 
-    unmatched = [n for n in names if n in held and not filters.lock_filter.matches(held[n])]
-    chosen = [n for n in names if n in held and n not in unmatched]
+    # Narrowed as the release will be: a shared lock to the holders the filter selects.
+    selected = {
+        item.held.name: item.held for item in _selected(listed.values(), filters.lock_filter)
+    }
+    unmatched = [n for n in names if n in held and n not in selected]
+    chosen = [n for n in names if n in selected]
     if not chosen:
         if unmatched:
             messages.warning(request, _("None of the selected locks matches the filter."))
@@ -418,7 +470,7 @@ def release_locks(request: HttpRequest, model_admin: LockAdmin) -> HttpResponse:
             "query": query,
             "back_url": back,
             "release_url": release_url,
-            "locks": [_row(held[n], release_url, using, filters.values) for n in chosen],
+            "locks": [_row(selected[n], release_url, using, filters.values) for n in chosen],
             "gone": [n for n in names if n not in held],
             "unmatched": [terminal_safe(n) for n in unmatched],
             "filter_values": filters.values,
@@ -481,15 +533,17 @@ def _perform_filtered_release(
 
     The filter is applied again here, not only on the confirmation page: a lock
     that passed to a holder outside the filter since then is left alone, and so
-    is one that changes hands between this listing and its reset.
+    is one that changes hands between this listing and its reset. Of a lock
+    held shared, only the holders that match are released; the others keep it.
     """
     released = not_held = unmatched = 0
     try:
         for name in names:
-            item = listed.get(name)
-            if item is None:
+            found = listed.get(name)
+            item = None if found is None else lock_filter.select(found)
+            if found is None:
                 not_held += 1
-            elif not lock_filter.matches(item.held):
+            elif item is None:
                 unmatched += 1
             elif reset_listed(item, using):
                 released += 1

@@ -11,9 +11,10 @@ import inspect
 import os
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from pathlib import Path
 from typing import Any
 
@@ -24,6 +25,7 @@ __all__ = [
     "cache_options",
     "caches_with",
     "dedicated_redis",
+    "held_shared",
     "run_worker",
     "take_and_release",
     "wait_until",
@@ -148,3 +150,44 @@ def dedicated_redis(*extra_args: str) -> Iterator[tuple[Any, Any]]:
                 yield server, client
         finally:
             client.close()
+
+
+@contextmanager
+def held_shared(name: str, *labels: str, ttl: float = 60) -> Iterator[list[Any]]:
+    """Hold ``name`` shared from one thread per label, each its own owner, until the block ends.
+
+    The threads are named ``reader-1``, ``reader-2``...; the handles (no
+    watchdog) are yielded in the order they acquired. A holder whose hold was
+    reset meanwhile lets go without complaint.
+    """
+    from django_redis_mutex import LockLost, LockNotOwned, Mutex
+
+    done = threading.Event()
+    handles: list[Any] = []
+    threads: list[threading.Thread] = []
+    try:
+        for index, label in enumerate(labels, start=1):
+            handle = Mutex(name, shared=True, label=label, ttl=ttl, watchdog=False)
+            acquired: list[bool] = []
+            ready = threading.Event()
+
+            def hold(
+                handle: Any = handle, acquired: list[bool] = acquired, ready: Any = ready
+            ) -> None:
+                acquired.append(handle.acquire(blocking=False))
+                ready.set()
+                if acquired[0]:
+                    done.wait(60)
+                    with suppress(LockLost, LockNotOwned):
+                        handle.release()
+
+            thread = threading.Thread(target=hold, name=f"reader-{index}")
+            thread.start()
+            threads.append(thread)
+            assert ready.wait(10) and acquired == [True], f"reader-{index} did not get {name!r}"
+            handles.append(handle)
+        yield handles
+    finally:
+        done.set()
+        for thread in threads:
+            thread.join(10)

@@ -24,7 +24,7 @@ from django_redis_mutex import LockLost, LockNotOwned, Mutex, Semaphore, held_se
 from django_redis_mutex.models import Lock
 from django_redis_mutex.testing import free_port
 
-from .helpers import ROOT, wait_until
+from .helpers import ROOT, held_shared, wait_until
 
 pytestmark = pytest.mark.django_db
 
@@ -476,6 +476,72 @@ def test_selection_outside_the_filter_goes_back_to_the_list(releaser, hold):
         "None of the selected locks matches the filter."
     ]
     assert lock.owned()
+
+
+# -- shared locks --------------------------------------------------------------------
+
+
+def test_viewer_sees_every_holder_of_a_shared_lock(viewer):
+    with held_shared("report", "pdf export", "csv export") as handles:
+        fences = [handle.fence for handle in handles]
+        response = viewer.get(LIST_URL)
+    assert response.status_code == 200
+    row = _rows(response)["report"]
+    assert row["shared"] is True
+    assert [(h["label"], h["thread"], h["pid"], h["fence"]) for h in row["holders"]] == [
+        ("pdf export", "reader-1", os.getpid(), fences[0]),
+        ("csv export", "reader-2", os.getpid(), fences[1]),
+    ]
+    html = response.content.decode()
+    assert "shared, 2 holders" in html
+    assert html.count('data-lock="report"') == 2  # a table row per holder
+    assert "pdf export" in html and "csv export" in html
+
+
+def test_release_of_a_shared_lock_frees_every_holder(releaser):
+    with held_shared("report", "pdf export", "csv export") as handles:
+        page = releaser.get(RELEASE_URL, {"name": "report"})
+        assert page.content.decode().count('class="release-holder"') == 2
+        assert [handle.owned() for handle in handles] == [True, True]  # nothing changed yet
+        response = releaser.post(
+            RELEASE_URL,
+            {"name": "report", "csrfmiddlewaretoken": _csrf_token(page.content.decode())},
+            follow=True,
+        )
+        assert [str(m) for m in response.context["messages"]] == ["Released 1 lock."]
+        assert [handle.owned() for handle in handles] == [False, False]
+        assert _rows(response) == {}
+        writer = Mutex("report", watchdog=False)
+        assert writer.acquire(blocking=False)  # no reader left: a writer gets in
+        writer.release()
+    message = LogEntry.objects.get().change_message
+    assert message.count("fence ") == 2 and "shared, holders" in message
+
+
+def test_filtered_release_frees_only_the_matching_holder_of_a_shared_lock(releaser):
+    with held_shared("report", "pdf export", "csv export") as (first, second):
+        kept_fence = second.fence
+        listing = releaser.get(LIST_URL, {"label": "pdf export"})
+        [row] = _rows(listing).values()
+        assert [h["label"] for h in row["holders"]] == ["pdf export"]
+        selection = {"name": ["report"], "label": "pdf export"}
+        page = releaser.get(RELEASE_URL, selection)
+        [shown] = page.context["locks"]
+        assert [h["label"] for h in shown["holders"]] == ["pdf export"]
+        assert "csv export" not in page.content.decode()
+        response = releaser.post(
+            RELEASE_URL,
+            {**selection, "csrfmiddlewaretoken": _csrf_token(page.content.decode())},
+            follow=True,
+        )
+        assert [str(m) for m in response.context["messages"]] == ["Released 1 lock."]
+        assert not first.owned()
+        assert second.owned()  # the other holder keeps its shared hold
+        everything = releaser.get(LIST_URL)
+        assert [h["fence"] for h in _rows(everything)["report"]["holders"]] == [kept_fence]
+        assert not Mutex("report").acquire(blocking=False)  # still held shared: no writer
+    message = LogEntry.objects.get().change_message
+    assert "pdf export" in message and "csv export" not in message
 
 
 # -- semaphores ----------------------------------------------------------------------

@@ -22,7 +22,7 @@ from django.contrib.admin.models import DELETION, LogEntry
 
 from django_redis_mutex import LockLost, LockNotOwned, Mutex, Semaphore, held_locks
 
-from .helpers import ROOT
+from .helpers import ROOT, held_shared
 
 pytestmark = pytest.mark.browser
 
@@ -182,6 +182,44 @@ def test_release_of_one_hosts_locks_keeps_the_other_hosts_lock(
     assert web1.let_go() == "lost"
     assert web2.let_go() == "released"
     assert LogEntry.objects.get().object_repr == "cache:web1"
+
+
+def test_shared_lock_lists_every_holder_and_its_release_frees_them_all(
+    playwright_api, live_server, admin_user
+):
+    expect = playwright_api.expect
+    labels = ("nightly export of every tenant's invoices", "hourly csv export")
+    with held_shared("reports:monthly", *labels) as handles:
+        fences = [handle.fence for handle in handles]
+        with logged_in_page(playwright_api, live_server.url, admin_user) as page:
+            page.set_viewport_size(NARROW_VIEWPORT)
+            rows = page.locator('tr[data-lock="reports:monthly"]')
+            expect(rows).to_have_count(2)  # one row per holder
+            expect(rows.first.locator(".lock-mode")).to_have_text("shared, 2 holders")
+            for row, label, thread, fence in zip(
+                (rows.nth(0), rows.nth(1)), labels, ("reader-1", "reader-2"), fences, strict=True
+            ):
+                expect(row.locator("td.field-label")).to_have_text(label)
+                expect(row.locator("td.field-thread")).to_have_text(thread)
+                expect(row.locator("td.field-pid")).to_have_text(str(os.getpid()))
+                expect(row.locator("td.field-fence")).to_have_text(str(fence))
+            results = page.locator("#changelist .results")
+            scroll_width, client_width = results.evaluate("b => [b.scrollWidth, b.clientWidth]")
+            assert scroll_width <= client_width, (scroll_width, client_width)
+
+            rows.first.locator("a.deletelink").click()
+            expect(page.locator("#release-list li.release-holder")).to_have_count(2)
+            expect(page.locator("#release-list")).to_contain_text(labels[1])
+            page.click("#confirm-release")
+
+            expect(page.locator("ul.messagelist")).to_contain_text("Released 1 lock.")
+            expect(rows).to_have_count(0)
+            expect(page.locator("#no-locks")).to_contain_text("No lock is held")
+        assert [handle.owned() for handle in handles] == [False, False]
+        writer = Mutex("reports:monthly", watchdog=False)
+        assert writer.acquire(blocking=False)  # both readers gone: a writer gets in
+        writer.release()
+    assert held_locks() == []
 
 
 @pytest.fixture

@@ -40,6 +40,8 @@ from django_redis_mutex import (
 from django_redis_mutex.management.commands.locks import describe_redis
 from django_redis_mutex.testing import free_port
 
+from .helpers import held_shared
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
@@ -697,3 +699,97 @@ def test_quorum_alias_lists_no_semaphore_and_refuses_to_reset_one(
     with pytest.raises(CommandError, match=r"Cache 'q' is a quorum: a semaphore lives on one"):
         locks("--using", "q", "--reset-semaphore", "exports")
     assert [h.token for s in held_semaphores() for h in s.holders] == [permit.token]
+
+
+# -- shared locks ----------------------------------------------------------
+
+
+def test_table_marks_a_shared_lock_and_lists_each_holder(held: list[Mutex]) -> None:
+    hold(held, "inventory", label="nightly import")
+    with held_shared("report", "pdf export", "csv export") as handles:
+        out = locks()
+        fences = [handle.fence for handle in handles]
+    _source, header, *rows, footer = out.splitlines()
+    assert header.split()[0] == "NAME"
+    assert rows[0].startswith("inventory ")
+    shared_first, shared_second = rows[1:]
+    assert shared_first.startswith("report (shared) ")
+    assert shared_second.startswith("  + shared ")
+    for row, fence, thread in zip(rows[1:], fences, ("reader-1", "reader-2"), strict=True):
+        cells = row.split()
+        assert str(os.getpid()) in cells and thread in cells and str(fence) in cells
+    assert "pdf export" in shared_first and "csv export" in shared_second
+    # The waiters are counted on the lock's first line only.
+    assert shared_first.split()[-2:] == [str(fences[0]), "0"]
+    assert shared_second.split()[-1] == str(fences[1])
+    assert footer == "2 locks held in cache 'default' (1 shared, by 2 holders)."
+
+
+def test_json_of_a_shared_lock_carries_every_holder(held: list[Mutex]) -> None:
+    hold(held, "inventory")
+    with held_shared("report", "pdf export", "csv export", ttl=30) as handles:
+        data = json.loads(locks("--json"))
+        fences = [handle.fence for handle in handles]
+    exclusive, shared = data
+    assert (exclusive["name"], exclusive["shared"], exclusive["holders"]) == (
+        "inventory",
+        False,
+        [],
+    )
+    assert (shared["kind"], shared["name"], shared["shared"]) == ("lock", "report", True)
+    assert set(shared) == {f.name for f in fields(HeldLock)} | {"ttl", "kind"}
+    holders = shared["holders"]
+    assert [h["owner"]["label"] for h in holders] == ["pdf export", "csv export"]
+    assert [h["owner"]["thread"] for h in holders] == ["reader-1", "reader-2"]
+    assert [h["fence"] for h in holders] == fences
+    assert all(0 < h["time_left"] <= 30 and h["acquired_at"].endswith("+00:00") for h in holders)
+    # The lock's own fields are its earliest holder's, its time left the longest.
+    assert (shared["owner"], shared["fence"]) == (holders[0]["owner"], fences[0])
+    assert shared["time_left"] == max(h["time_left"] for h in holders)
+
+
+def test_label_filter_lists_only_the_matching_holder_of_a_shared_lock() -> None:
+    with held_shared("report", "pdf export", "csv export") as (_first, second):
+        out = locks("--label", "csv export")
+        data = json.loads(locks("--json", "--label", "csv export"))
+        fence = second.fence
+    rows = out.splitlines()[2:-1]
+    assert len(rows) == 1 and rows[0].startswith("report (shared) ")
+    assert "csv export" in rows[0] and "pdf export" not in out
+    assert [[h["fence"] for h in item["holders"]] for item in data] == [[fence]]
+
+
+def test_filtered_reset_all_frees_only_the_matching_holder_of_a_shared_lock(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    shown_at_prompt: list[str] = []
+    out = StringIO()
+
+    def answer(prompt: str) -> str:
+        shown_at_prompt.append(out.getvalue() + prompt)
+        return "yes"
+
+    monkeypatch.setattr(builtins, "input", answer)
+    with held_shared("report", "pdf export", "csv export") as (first, second):
+        call_command("locks", "--reset-all", "--label", "pdf export", stdout=out)
+        [screen] = shown_at_prompt
+        # The selection names the matching holder only, and says the others stay.
+        assert "pdf export" in screen and "csv export" not in screen
+        assert f" {first.fence} " in screen and f" {second.fence} " not in screen
+        assert "the 1 lock listed above (of a shared lock, only the holders listed)" in screen
+        assert out.getvalue().endswith("Released 1 selected lock in cache 'default'.\n")
+        assert not first.owned()
+        assert second.owned()
+        [left] = held_locks()
+        assert [h.fence for h in left.holders] == [second.fence]
+        assert not Mutex("report").acquire(blocking=False)  # still held shared: no writer
+    writer = Mutex("report", watchdog=False)
+    assert writer.acquire(blocking=False)  # every reader gone: a writer gets in
+    writer.release()
+
+
+def test_reset_of_a_shared_lock_frees_every_holder() -> None:
+    with held_shared("report", "pdf export", "csv export") as handles:
+        assert locks("--reset", "report").splitlines() == ["Released 'report'."]
+        assert [handle.owned() for handle in handles] == [False, False]
+        assert held_locks() == []

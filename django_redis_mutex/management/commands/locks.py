@@ -17,6 +17,12 @@ what is printed after it. ``--json`` keeps the exact values (JSON escapes them).
 matches. A filtered reset shows its selection first and resets each lock only
 while the acquisition that was listed still holds it.
 
+A lock held shared (``mutex(name, shared=True)``) is one entry with
+``(shared)`` after its name and a line per holder below it; ``--json`` gives
+it ``"shared": true`` and its ``holders``. The filters select holders of a
+shared lock: a filtered listing shows, and a filtered ``--reset-all`` frees,
+only the holders that match, leaving the others their hold.
+
 Counting semaphores are listed too, unless a filter is given (the filters
 select locks): below the table, and in ``--json`` as entries whose ``kind`` is
 ``"semaphore"`` (every lock entry has ``"kind": "lock"``). A semaphore is reset
@@ -28,8 +34,10 @@ locks never takes permits from their holders.
 from __future__ import annotations
 
 import json
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
+from datetime import datetime
 from typing import Any
 
 from django.core.exceptions import ImproperlyConfigured
@@ -41,6 +49,7 @@ from django_redis_mutex.exceptions import LockBackendUnavailable
 from django_redis_mutex.filters import FILTER_FIELDS, FilterError, LockFilter
 from django_redis_mutex.introspection import (
     HeldLock,
+    ListedLock,
     ensure_resettable,
     held_locks,
     listed_locks,
@@ -49,6 +58,7 @@ from django_redis_mutex.introspection import (
     reset_all,
     reset_listed,
 )
+from django_redis_mutex.owners import Owner
 from django_redis_mutex.semaphore import (
     HeldSemaphore,
     held_semaphores,
@@ -95,22 +105,60 @@ def describe_redis(alias: str) -> str:
     return f"{scheme}://{host}:{kwargs.get('port', 6379)}/{db}"
 
 
+# After a shared lock's name, and in the name column of its further holders' lines.
+SHARED_MARK = "(shared)"
+MORE_HOLDERS = "  + shared"
+
+
 def table_rows(locks: list[HeldLock]) -> list[tuple[str, ...]]:
-    """Return one row of display strings per lock, in COLUMNS order, escaped for a terminal."""
-    return [
-        (
-            terminal_safe(lock.name),
-            _cell(lock.owner.host),
-            _cell(lock.owner.pid),
-            _cell(lock.owner.thread),
-            _cell(lock.owner.label),
-            duration(lock.held_for),
-            duration(lock.time_left),
-            str(lock.fence),
-            str(lock.waiters),
-        )
-        for lock in locks
-    ]
+    """Return the table's rows of display strings, in COLUMNS order, escaped for a terminal.
+
+    One row per lock; a lock held shared has one row per holder, the first
+    naming the lock with ``(shared)`` and the count of waiters.
+    """
+    rows: list[tuple[str, ...]] = []
+    for lock in locks:
+        if not lock.shared:
+            rows.append(
+                (
+                    terminal_safe(lock.name),
+                    *_owner_cells(lock.owner),
+                    duration(lock.held_for),
+                    duration(lock.time_left),
+                    str(lock.fence),
+                    str(lock.waiters),
+                )
+            )
+            continue
+        for index, holder in enumerate(lock.holders):
+            first = index == 0
+            rows.append(
+                (
+                    f"{terminal_safe(lock.name)} {SHARED_MARK}" if first else MORE_HOLDERS,
+                    *_owner_cells(holder.owner),
+                    duration(_since(holder.acquired_at)),
+                    duration(holder.time_left),
+                    str(holder.fence),
+                    str(lock.waiters) if first else "",
+                )
+            )
+    return rows
+
+
+def _owner_cells(owner: Owner) -> tuple[str, str, str, str]:
+    return (_cell(owner.host), _cell(owner.pid), _cell(owner.thread), _cell(owner.label))
+
+
+def _since(moment: datetime) -> float:
+    """Seconds from ``moment`` until now by this machine's clock, as ``HeldLock.held_for``."""
+    return max(0.0, time.time() - moment.timestamp())
+
+
+def _selected(listed: list[ListedLock], lock_filter: LockFilter) -> list[ListedLock]:
+    """Return the locks ``lock_filter`` selects, a shared one narrowed to its matching holders."""
+    if not lock_filter:
+        return listed
+    return [chosen for item in listed if (chosen := lock_filter.select(item)) is not None]
 
 
 def json_entries(locks: list[HeldLock], semaphores: list[HeldSemaphore]) -> list[dict[str, Any]]:
@@ -225,8 +273,9 @@ class Command(BaseCommand):
             elif options["reset_all"]:
                 self.reset_everything(alias, interactive=options["interactive"])
             else:
-                found = held_locks(using=alias)
-                locks = [lock for lock in found if lock_filter.matches(lock)]
+                found = listed_locks(using=alias)
+                # A shared lock is narrowed to the holders the filter selects.
+                locks = [item.held for item in _selected(found, lock_filter)]
                 if options["json"]:
                     semaphores = [] if lock_filter else self.semaphores(alias)
                     self.stdout.write(json.dumps(json_entries(locks, semaphores), indent=2))
@@ -348,6 +397,11 @@ class Command(BaseCommand):
             self.stdout.write(line(row))
         members = quorum_members(alias)
         where = f" (on a majority of {', '.join(members)})" if members else ""
+        shared = [lock for lock in locks if lock.shared]
+        if shared:
+            holders = sum(len(lock.holders) for lock in shared)
+            of = "matching " if chosen else ""
+            where += f" ({len(shared)} shared, by {_plural(holders, of + 'holder')})"
         if chosen:
             verb = "matches" if len(locks) == 1 else "match"
             self.stdout.write(
@@ -396,16 +450,22 @@ class Command(BaseCommand):
         """Reset the locks ``lock_filter`` selects, each only while its listed holder has it."""
         ensure_resettable(alias)
         listed = listed_locks(using=alias)
-        selection = [item for item in listed if lock_filter.matches(item.held)]
+        # A shared lock narrowed to its matching holders: only they are reset.
+        selection = _selected(listed, lock_filter)
         # Shown with --noinput too, so a deploy script's log says what it reset.
         self.show_table(alias, [item.held for item in selection], lock_filter, total=len(listed))
         if not selection:
             self.stdout.write("Nothing to reset.")
             return
+        shared_note = (
+            " (of a shared lock, only the holders listed)"
+            if any(item.held.shared for item in selection)
+            else ""
+        )
         if interactive:
             confirm = input(
                 f"You have requested to force-release the {_plural(len(selection), 'lock')} "
-                "listed above.\n"
+                f"listed above{shared_note}.\n"
                 "Their holders keep running without the lock and only learn of it when\n"
                 "they next renew or finish. A lock that changes hands before you answer\n"
                 "is left to its new holder. Are you sure you want to do this?\n\n"
@@ -419,6 +479,13 @@ class Command(BaseCommand):
             for item in selection:
                 if reset_listed(item, using=alias):
                     released += 1
+                elif item.held.shared:
+                    self.stdout.write(
+                        self.style.WARNING(
+                            f"{item.held.name!r}: none of the shared holders listed holds it "
+                            "any more; left alone."
+                        )
+                    )
                 else:
                     self.stdout.write(
                         self.style.WARNING(
