@@ -11,8 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -29,29 +28,7 @@ from django_redis_mutex import (
 )
 
 from .helpers import wait_until
-
-
-@contextmanager
-def held_in_thread(name: str, **options: Any) -> Iterator[dict[str, Any]]:
-    """Hold ``name`` from another thread (another owner) until the block ends."""
-    acquired = threading.Event()
-    done = threading.Event()
-    info: dict[str, Any] = {}
-
-    def hold() -> None:
-        with mutex(name, **options) as lock:
-            info["fence"] = lock.fence
-            acquired.set()
-            done.wait(30)
-
-    thread = threading.Thread(target=hold)
-    thread.start()
-    assert acquired.wait(10), "the holder thread never got the lock"
-    try:
-        yield info
-    finally:
-        done.set()
-        thread.join(10)
+from .test_api import held_by_other_thread
 
 
 def waiter_in_thread(name: str, entered: list[tuple[str, int]], tag: str, **options: Any):  # type: ignore[no-untyped-def]
@@ -102,7 +79,10 @@ def try_once(name: str, **options: Any) -> bool:
 
 
 def test_shared_holders_hold_together_and_exclude_an_exclusive_one() -> None:
-    with held_in_thread("report", shared=True) as first, mutex("report", shared=True) as second:
+    with (
+        held_by_other_thread("report", shared=True) as first,
+        mutex("report", shared=True) as second,
+    ):
         assert second.owned()
         assert second.fence is not None and second.fence > first["fence"]
         assert not try_once("report")
@@ -117,7 +97,7 @@ def test_shared_holders_hold_together_and_exclude_an_exclusive_one() -> None:
 
 
 def test_an_exclusive_holder_excludes_shared_ones() -> None:
-    with held_in_thread("ledger"):
+    with held_by_other_thread("ledger"):
         assert not try_once("ledger", shared=True)
         with pytest.raises(LockContended), mutex("ledger", shared=True, timeout=0.2):
             pass
@@ -127,7 +107,7 @@ def test_a_queued_writer_stops_new_readers_and_gets_the_lock_before_them(
     raw: redis.Redis, namespace_keys: Any
 ) -> None:
     entered: list[tuple[str, int]] = []
-    with held_in_thread("catalog", shared=True) as reader:
+    with held_by_other_thread("catalog", shared=True) as reader:
         writer = waiter_in_thread("catalog", entered, "writer")
         wait_until(lambda: queued(raw, namespace_keys, 1), 10, "the writer queued")
         # A new reader may not join the readers while the writer waits.
@@ -158,7 +138,7 @@ def test_readers_queued_behind_a_writer_are_admitted_together_when_it_leaves(
             except threading.BrokenBarrierError:
                 together.append(False)
 
-    with held_in_thread("shelf"):
+    with held_by_other_thread("shelf"):
         readers = [threading.Thread(target=read) for _ in range(3)]
         for thread in readers:
             thread.start()
@@ -172,7 +152,7 @@ def test_readers_queued_behind_a_writer_are_admitted_together_when_it_leaves(
 def test_a_writers_fence_is_larger_than_every_readers_before_it() -> None:
     fences = []
     for _ in range(3):
-        with held_in_thread("fenced", shared=True) as reader:
+        with held_by_other_thread("fenced", shared=True) as reader:
             fences.append(reader["fence"])
     with mutex("fenced") as writer:
         assert writer.fence is not None and writer.fence > max(fences)
@@ -192,7 +172,7 @@ def test_a_dead_readers_lease_ends_and_the_writer_gets_in(raw: redis.Redis) -> N
 def test_one_dead_reader_does_not_keep_the_lock_from_a_writer_after_the_live_ones_leave() -> None:
     dead = Mutex("mixed-leases", shared=True, ttl=0.3, watchdog=False)
     assert dead.acquire()
-    with held_in_thread("mixed-leases", shared=True):
+    with held_by_other_thread("mixed-leases", shared=True):
         assert not try_once("mixed-leases")
     with mutex("mixed-leases", timeout=10) as writer:
         assert writer.owned()
@@ -254,7 +234,7 @@ def test_async_shared_holders_hold_together() -> None:
 
 def test_held_locks_lists_a_shared_lock_with_every_holder() -> None:
     with (
-        held_in_thread("listed-read", shared=True, label="first"),
+        held_by_other_thread("listed-read", shared=True, label="first"),
         mutex("listed-read", shared=True, label="second"),
     ):
         [listed] = [lock for lock in held_locks() if lock.name == "listed-read"]
