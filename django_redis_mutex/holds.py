@@ -240,7 +240,7 @@ class Hold:
 
     def lost_signal(self, held: float) -> dict[str, Any]:
         """Return the ``lock_lost`` keyword arguments for this hold."""
-        return {"name": self.name, "fence": self.fence, "held": held}
+        return {"name": self.name, "fence": self.fence, "held": held, "shared": self.shared}
 
 
 @dataclass(eq=False, slots=True)

@@ -536,6 +536,7 @@ class Mutex:
                 wait=error.waited,
                 retry_after=error.retry_after,
                 owner=error.owner,
+                shared=self.shared,
             )
 
     def _adopt(self, token: str, grant: Grant) -> Hold:
@@ -571,6 +572,7 @@ class Mutex:
                 name=self.name,
                 fence=hold.fence,
                 wait=time.monotonic() - started,
+                shared=self.shared,
             )
 
     def _short(self, hold: Hold) -> bool:
@@ -730,7 +732,11 @@ class Mutex:
         if released:
             if signals.lock_released.receivers:
                 signals.lock_released.send(
-                    sender=self.using, name=self.name, fence=hold.fence, held=held
+                    sender=self.using,
+                    name=self.name,
+                    fence=hold.fence,
+                    held=held,
+                    shared=hold.shared,
                 )
             return
         _declare_lost(hold, "it was no longer held by this owner at release")
@@ -1071,7 +1077,7 @@ def _declare_lost(hold: Hold, reason: str) -> None:
         return
     held = time.monotonic() - hold.acquired_at
     for receiver, error in signals.lock_lost.send_robust(
-        sender=hold.alias, name=hold.name, fence=hold.fence, held=held
+        sender=hold.alias, **hold.lost_signal(held)
     ):
         if isinstance(error, Exception):
             logger.error("lock_lost receiver %r failed: %r", receiver, error)

@@ -81,14 +81,24 @@ class _Record:
 _current: ContextVar[_Record | None] = ContextVar("django_redis_mutex_panel", default=None)
 
 
-def _on_acquired(sender: str, name: str, fence: int, wait: float, **kwargs: Any) -> None:
+def _on_acquired(
+    sender: str, name: str, fence: int, wait: float, shared: bool = False, **kwargs: Any
+) -> None:
     record = _current.get()
     if record is not None:
-        record.add("acquired", sender, name, wait, fence=fence)
+        record.add(
+            "acquired", sender, name, wait, fence=fence, detail=_("shared") if shared else ""
+        )
 
 
 def _on_contended(
-    sender: str, name: str, wait: float, retry_after: int, owner: Any, **kwargs: Any
+    sender: str,
+    name: str,
+    wait: float,
+    retry_after: int,
+    owner: Any,
+    shared: bool = False,
+    **kwargs: Any,
 ) -> None:
     record = _current.get()
     if record is not None:
@@ -97,6 +107,8 @@ def _on_contended(
             "owner": held_by,
             "seconds": retry_after,
         }
+        if shared:
+            detail = _("shared; %(detail)s") % {"detail": detail}
         record.add("contended", sender, name, wait, detail=detail)
 
 

@@ -3,13 +3,15 @@
 Each is sent with ``sender`` set to the cache alias and these keyword arguments:
 
 ``lock_acquired``
-    ``name``, ``fence``, ``wait`` (seconds spent waiting).
+    ``name``, ``fence``, ``wait`` (seconds spent waiting), ``shared``.
 ``lock_released``
-    ``name``, ``fence``, ``held`` (seconds the lock was held).
+    ``name``, ``fence``, ``held`` (seconds the lock was held), ``shared``.
 ``lock_contended``
-    ``name``, ``wait`` (seconds waited before giving up), ``retry_after``, ``owner``.
+    ``name``, ``wait`` (seconds waited before giving up), ``retry_after``, ``owner``,
+    ``shared``.
 ``lock_lost``
-    ``name``, ``fence``, ``held`` (seconds from acquisition until the loss was noticed).
+    ``name``, ``fence``, ``held`` (seconds from acquisition until the loss was
+    noticed), ``shared``.
     Also sent when a semaphore permit is found gone, with ``fence=None`` and
     ``kind="semaphore"``; a lock's loss has no ``kind``, so tell a permit by
     ``kwargs.get("kind") == "semaphore"``.
@@ -23,6 +25,8 @@ Each is sent with ``sender`` set to the cache alias and these keyword arguments:
     :class:`~django_redis_mutex.LockBackendUnavailable` about to be raised, or
     swallowed by ``FAIL_OPEN``): an acquisition failed because Redis could not
     be reached.
+
+``shared`` is True for a shared (read) lock, ``mutex(name, shared=True)``.
 
 Receivers run in the thread that acquired or released the lock, except
 ``lock_lost`` when the watchdog notices the loss, which runs in the watchdog

@@ -205,9 +205,14 @@ _logged_failures: set[tuple[str, str]] = set()
 
 @_receiver
 def _on_acquired(
-    instruments: _Instruments, attributes: dict[str, str], fence: int, wait: float, **kwargs: Any
+    instruments: _Instruments,
+    attributes: dict[str, str],
+    fence: int,
+    wait: float,
+    shared: bool = False,
+    **kwargs: Any,
 ) -> None:
-    _span(instruments, attributes, "acquired", wait, {"mutex.fence": fence})
+    _span(instruments, attributes, "acquired", wait, {"mutex.fence": fence, "mutex.shared": shared})
 
 
 @_receiver
@@ -216,9 +221,11 @@ def _on_contended(
     attributes: dict[str, str],
     wait: float,
     retry_after: int,
+    shared: bool = False,
     **kwargs: Any,
 ) -> None:
-    _span(instruments, attributes, "contended", wait, {"mutex.retry_after": retry_after})
+    extra = {"mutex.retry_after": retry_after, "mutex.shared": shared}
+    _span(instruments, attributes, "contended", wait, extra)
     instruments.contended.add(1, attributes)
 
 

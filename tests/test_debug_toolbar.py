@@ -86,6 +86,18 @@ def unreachable(request: HttpRequest) -> HttpResponse:
     return HttpResponse(PAGE.format("Redis is down"))
 
 
+def read(request: HttpRequest) -> HttpResponse:
+    """Read "catalog" shared, then find "ledger" held exclusively by someone else."""
+    with mutex("catalog", shared=True) as lock:
+        fence = lock.fence
+    try:
+        with mutex("ledger", shared=True, timeout=0):
+            pass
+    except LockContended:
+        pass
+    return HttpResponse(PAGE.format(f"fence {fence}"))
+
+
 def plain(request: HttpRequest) -> HttpResponse:
     return HttpResponse(PAGE.format("no lock here"))
 
@@ -196,6 +208,20 @@ def test_the_panel_lists_name_fence_wait_and_contention(toolbar: None) -> None:
     assert report["Fence"] == ""
     assert "retry after" in report["Detail"]
     assert panel_receivers() == 0
+
+
+def test_the_panel_says_which_acquisitions_were_shared(toolbar: None) -> None:
+    busy = hold_in_thread("ledger")
+    client = Client()
+    try:
+        response = client.get("/read/")
+    finally:
+        busy.release()
+    catalog, ledger = panel_rows(client, response)
+    assert (catalog["Outcome"], catalog["Detail"]) == ("acquired", "shared")
+    assert catalog["Fence"] == fence_of(response)
+    assert ledger["Outcome"] == "contended"
+    assert ledger["Detail"].startswith("shared; held by")
 
 
 def test_concurrent_requests_each_see_only_their_own_locks(toolbar: None) -> None:

@@ -78,7 +78,8 @@ def test_lock_acquired_is_sent_with_name_fence_and_wait(receive: Any) -> None:
         fence = lock.fence
     [call] = acquired
     assert call["sender"] == "default"
-    assert set(call["kwargs"]) == {"name", "fence", "wait"}
+    assert set(call["kwargs"]) == {"name", "fence", "wait", "shared"}
+    assert call["kwargs"]["shared"] is False
     assert call["kwargs"]["name"] == "inventory"
     assert call["kwargs"]["fence"] == fence
     assert 0 <= call["kwargs"]["wait"] < 1
@@ -116,7 +117,7 @@ def test_lock_released_is_sent_with_name_fence_and_time_held(receive: Any) -> No
     elapsed = time.monotonic() - before
     [call] = released
     assert call["sender"] == "default"
-    assert set(call["kwargs"]) == {"name", "fence", "held"}
+    assert set(call["kwargs"]) == {"name", "fence", "held", "shared"}
     assert call["kwargs"]["name"] == "inventory"
     assert call["kwargs"]["fence"] == fence
     assert 0 <= call["kwargs"]["held"] <= elapsed
@@ -128,7 +129,7 @@ def test_lock_contended_is_sent_with_retry_after_and_owner(receive: Any) -> None
         assert not Mutex("inventory").acquire(blocking=False)
     [call] = contended
     assert call["sender"] == "default"
-    assert set(call["kwargs"]) == {"name", "wait", "retry_after", "owner"}
+    assert set(call["kwargs"]) == {"name", "wait", "retry_after", "owner", "shared"}
     assert call["kwargs"]["name"] == "inventory"
     assert 0 <= call["kwargs"]["wait"] < 1
     assert 7 <= call["kwargs"]["retry_after"] <= 9
@@ -160,7 +161,7 @@ def test_lock_lost_is_sent_when_the_block_ends_without_the_lock(receive: Any) ->
         assert reset("inventory")
     [call] = lost
     assert call["sender"] == "default"
-    assert set(call["kwargs"]) == {"name", "fence", "held"}
+    assert set(call["kwargs"]) == {"name", "fence", "held", "shared"}
     assert call["kwargs"]["name"] == "inventory"
     assert call["kwargs"]["fence"] == fence
     assert call["kwargs"]["held"] >= 0

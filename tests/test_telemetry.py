@@ -166,6 +166,7 @@ def test_contended_acquisition_records_a_span_with_its_outcome_and_wait(
         "mutex.alias": "default",
         "mutex.outcome": "contended",
         "mutex.retry_after": 9,
+        "mutex.shared": False,
     }
     assert 0.2 <= wait < 3
     # Sent after the fact, the span is stretched back over the whole wait.
@@ -288,6 +289,15 @@ def test_an_async_acquisition_records_its_span(telemetry: Recorded) -> None:
     fence = asyncio.run(take())
     [span] = telemetry.acquisitions("acquired")
     assert (span.attributes or {})["mutex.fence"] == fence
+    assert (span.attributes or {})["mutex.shared"] is False
+
+
+def test_a_shared_acquisition_says_so_on_its_span(telemetry: Recorded) -> None:
+    with mutex("inventory", shared=True) as lock:
+        fence = lock.fence
+    [span] = telemetry.acquisitions("acquired")
+    assert (span.attributes or {})["mutex.fence"] == fence
+    assert (span.attributes or {})["mutex.shared"] is True
 
 
 def test_a_failing_span_processor_costs_the_lock_nothing(

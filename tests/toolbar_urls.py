@@ -11,6 +11,7 @@ from . import test_debug_toolbar as views
 urlpatterns = [
     path("reserve/", views.reserve),
     path("plain/", views.plain),
+    path("read/", views.read),
     path("lose/", views.lose),
     path("unreachable/", views.unreachable),
     path("locked/<str:name>/", views.locked),
