@@ -6,9 +6,11 @@ interleavings nobody chose: a holder paused just as a waiter is handed the
 lock, a Redis restart during a release, an operator reset under a nested
 block. Here a seed decides a schedule of faults for a bounded time, several
 worker processes (each running threads *and* asyncio tasks) contend for a
-handful of locks through every public way of taking one, every critical
-section ("body") is journalled, and :func:`check` then asks of the whole
-history what the lock promises.
+handful of locks through every public way of taking one (some bodies of a
+``with``, ``async with``, ``acquire()`` or decorated call take their lock
+shared, on every lock but a quorum's, which cannot be shared), every critical
+section ("body") is journalled with whether it was shared, and :func:`check`
+then asks of the whole history what the lock promises.
 
 A run (:class:`Nemesis`) starts its own redis-server(s) on free ports: one for
 the ``single`` topology; for ``quorum`` three independent masters (``m1``..
@@ -68,7 +70,9 @@ body may overlap it only if that is excused as below; its outcome is unknown.
 
 What :func:`check` demands, per lock name:
 
-* Two bodies overlap only if the *stale* one of them (the smaller fence: the
+* Two shared bodies (each with a fence of its own) may overlap: that is what
+  a shared lock is for. Any other two bodies, an exclusive one and any body,
+  overlap only if the *stale* one of them (the smaller fence: the
   one granted first, which is the one entered first unless a pause delayed
   its journal) was told, unconfirmed, or killed, and a fault in the run can
   explain how it lost its lease: between its acquire call and the newer
@@ -91,8 +95,11 @@ What :func:`check` demands, per lock name:
 * In the side-hold scenario the side lock must not be lost unless a fault of
   its own explains it.
 * Fences are unique per name and strictly increase, in the order bodies
-  entered, over the bodies that were neither told nor unconfirmed nor killed;
-  this holds across a restart that wiped the counter, since a fence is never
+  entered, over the exclusive bodies that were neither told nor unconfirmed
+  nor killed; such an exclusive body's fence is above every such shared
+  body's that left before it entered, and below every one's that entered
+  after it left (shared bodies among themselves journal in any order); this
+  holds across a restart that wiped the counter, since a fence is never
   below the server clock in microseconds.
 * After the run no key on any server is without an expiry (``PTTL == -1``),
   checked every two seconds during the run and at the end, and every lock is
@@ -112,6 +119,7 @@ from __future__ import annotations
 
 import asyncio
 import atexit
+import bisect
 import contextlib
 import ctypes
 import functools
@@ -641,6 +649,8 @@ class Body:
     ttl: float = 0.0
     #: A nested level that got a fence of its own (a second grant), not the body's.
     parent: str | None = None
+    #: Taken shared (a read lock): it may overlap other shared bodies of its lock.
+    shared: bool = False
 
     @property
     def status(self) -> str:
@@ -665,8 +675,9 @@ class Body:
         elif status == "unknown":
             status += f" (ended by {self.ended_by})"
         joined = ", entered without a grant of its own" if self.joined else ""
+        kind = f"shared {self.kind}" if self.shared else self.kind
         return (
-            f"[{self.kind} {self.owner} slot {self.slot} pid {self.pid} fence {self.fence} "
+            f"[{kind} {self.owner} slot {self.slot} pid {self.pid} fence {self.fence} "
             f"entered +{(self.enter - t0) / NS:.3f}s left +{(self.end - t0) / NS:.3f}s, "
             f"acquire called +{(self.called - t0) / NS:.3f}s, {status}{joined}]"
         )
@@ -808,8 +819,11 @@ class _Checker:
                     joined=bool(event.get("joined")),
                     scenario=event.get("scenario"),
                     ttl=float(event.get("ttl") or self.ttl),
+                    shared=bool(event.get("shared")),
                 )
                 self.stats["bodies"] += 1
+                if event.get("shared"):
+                    self.stats["shared bodies"] += 1
                 self.detail["kinds"][event["kind"]] += 1
             elif kind == "refused":
                 self.detail["refused"][event["why"]] += 1
@@ -920,6 +934,7 @@ class _Checker:
                     told_how=parent.told_how,
                     ttl=parent.ttl,
                     parent=parent_id,
+                    shared=parent.shared,
                 )
                 self.bodies[pseudo.id] = pseudo
 
@@ -1029,6 +1044,11 @@ class _Checker:
         second: Body,
         stale_handoffs: set[tuple[str, str]],
     ) -> None:
+        if first.shared and second.shared and first.fence != second.fence:
+            # Two shared holders of one lock, each with a grant of its own: what
+            # a shared lock is for. Anything else overlapping is judged below.
+            self.stats["shared overlaps"] += 1
+            return
         self.stats["overlaps"] += 1
         overlap = (min(first.end, second.end) - second.enter) / 1e6
         lock = f"lock {space}:{name}"
@@ -1203,7 +1223,9 @@ class _Checker:
             trusted = [
                 b for b in bodies if b.status == "clean" and b.parent is None and b.fence >= 0
             ]
-            for before, after in itertools.pairwise(trusted):
+            exclusive = [b for b in trusted if not b.shared]
+            self.check_shared_fences(lock, exclusive, [b for b in trusted if b.shared])
+            for before, after in itertools.pairwise(exclusive):
                 self.stats["fences in order"] += 1
                 if after.fence < before.fence:  # an equal one is reported as handed out twice
                     self.violations.append(
@@ -1217,6 +1239,58 @@ class _Checker:
                             (before.pid, after.pid),
                         )
                     )
+
+    def check_shared_fences(self, lock: str, exclusive: list[Body], shared: list[Body]) -> None:
+        """An exclusive body's fence is above every shared body's that left before it entered.
+
+        And below every shared body's that entered after it left. Shared
+        bodies among themselves enter in any order (several are granted at
+        once, and each journals when its thread gets to it), so only their
+        order against exclusive ones is checked, over bodies neither told nor
+        unconfirmed nor killed.
+        """
+        if not shared or not exclusive:
+            return
+        by_end = sorted(shared, key=lambda b: b.end)
+        ends = [b.end for b in by_end]
+        # The shared body with the largest fence among those that left by each end.
+        highest = list(itertools.accumulate(by_end, lambda a, b: a if a.fence >= b.fence else b))
+        by_enter = sorted(shared, key=lambda b: b.enter)
+        enters = [b.enter for b in by_enter]
+        # The shared body with the smallest fence among those entering from each on.
+        lowest = list(
+            itertools.accumulate(reversed(by_enter), lambda a, b: a if a.fence <= b.fence else b)
+        )[::-1]
+        for body in exclusive:
+            self.stats["fences against shared"] += 1
+            index = bisect.bisect_right(ends, body.enter)
+            if index and highest[index - 1].fence > body.fence:
+                other = highest[index - 1]
+                self.violations.append(
+                    Violation(
+                        "fence went backwards",
+                        f"{lock}: {body.describe(self.t0)} entered after the shared "
+                        f"{other.describe(self.t0)} left, with a smaller fence, and neither "
+                        "was told it lost the lock",
+                        other.enter,
+                        body.enter,
+                        (other.pid, body.pid),
+                    )
+                )
+            index = bisect.bisect_left(enters, body.end)
+            if index < len(lowest) and lowest[index].fence < body.fence:
+                other = lowest[index]
+                self.violations.append(
+                    Violation(
+                        "fence went backwards",
+                        f"{lock}: the shared {other.describe(self.t0)} entered after "
+                        f"{body.describe(self.t0)} left, with a smaller fence, and neither "
+                        "was told it lost the lock",
+                        body.enter,
+                        other.enter,
+                        (body.pid, other.pid),
+                    )
+                )
 
     def check_processes(self) -> None:
         pids = {event["pid"] for event in self.events}
@@ -1333,6 +1407,8 @@ class Report:
             f"  faults: {sum(faults.values())} ("
             + ", ".join(f"{k} {v}" for k, v in sorted(faults.items()))
             + f"); skipped {skipped}; lease-threatening {stats.get('threats', 0)}",
+            f"  shared: {stats.get('shared bodies', 0)} bodies, "
+            f"{stats.get('shared overlaps', 0)} pairs of shared bodies overlapping",
             f"  overlaps: {stats.get('overlaps', 0)} pairs; excused "
             + (", ".join(f"stale holder {k} {v}" for k, v in sorted(excused.items())) or "none")
             + f"; hand-off stall scenarios {stats.get('handoff scenarios', 0)} "
@@ -1340,7 +1416,8 @@ class Report:
             f"  losses nothing explains (not violations by themselves): "
             f"{stats.get('unexplained losses', 0)}",
             f"  fences: {stats.get('fences unique', 0)} checked unique, "
-            f"{stats.get('fences in order', 0)} consecutive pairs checked in order",
+            f"{stats.get('fences in order', 0)} consecutive pairs checked in order, "
+            f"{stats.get('fences against shared', 0)} exclusive ones against shared bodies",
             f"  keys: {runner.get('keys scanned', 0)} scanned for an expiry in "
             f"{runner.get('scans', 0)} scans; locks drained "
             f"{runner.get('drained', 'not checked')}",
@@ -2167,6 +2244,10 @@ def _owner() -> str:
     return task.get_name() if task is not None else threading.current_thread().name
 
 
+# The share of with, async with, acquire() and decorated bodies that take their
+# lock shared (on every lock but a quorum's).
+SHARED_SHARE = 0.35
+
 SYNC_KINDS = {
     "with": 4.0,
     "handle": 2.0,
@@ -2204,7 +2285,7 @@ class _Worker:
         self.cooldown_until = 0
         self._ids = itertools.count(1)
         self._announced: dict[tuple[int, str], int] = {}
-        self._guards: dict[tuple[str, bool], Callable[..., Any]] = {}
+        self._guards: dict[tuple[str, bool, bool], Callable[..., Any]] = {}
         self._control_offset = 0
         self._control_lock = threading.Lock()
         self._scenario_threads: list[threading.Thread] = []
@@ -2234,6 +2315,7 @@ class _Worker:
         joined: bool = False,
         scenario: str | None = None,
         ttl: float | None = None,
+        shared: bool = False,
     ) -> str:
         t = now_ns()
         body = f"{os.getpid()}-{next(self._ids)}"
@@ -2251,6 +2333,7 @@ class _Worker:
             joined=joined,
             scenario=scenario,
             ttl=ttl or self.ttl,
+            shared=shared,
             **{"async": is_async},
         )
         return body
@@ -2324,17 +2407,21 @@ class _Worker:
         spec = rng.choices(specs, weights=[s.weight for s in specs])[0]
         return spec, _using(rng.choice(spec.usings))
 
+    def share(self, rng: random.Random, spec: LockSpec) -> bool:
+        """Whether to take ``spec`` shared this time (a quorum lock cannot be shared)."""
+        return spec.space != "quorum" and rng.random() < SHARED_SHARE
+
     def hold(self, rng: random.Random) -> float:
         """A few ms to ~100 ms of work; now and then longer than a renewal period."""
         if rng.random() < 0.03:
             return rng.uniform(0.5, 1.5) * self.ttl
         return rng.uniform(0.002, 0.1)
 
-    def guard(self, using: Any, is_async: bool) -> Callable[..., Any]:
-        """Return ``@mutex("{name}", using=using)`` over a function running a _Call."""
+    def guard(self, using: Any, is_async: bool, shared: bool = False) -> Callable[..., Any]:
+        """Return ``@mutex("{name}", using=using, shared=shared)`` over a _Call-running function."""
         from django_redis_mutex import mutex
 
-        key = (json.dumps(using), is_async)
+        key = (json.dumps(using), is_async, shared)
         guarded = self._guards.get(key)
         if guarded is None:
             if is_async:
@@ -2342,13 +2429,13 @@ class _Worker:
                 async def body(name: str, call: _Call) -> None:
                     await call.arun()
 
-                guarded = mutex("{name}", using=using)(body)
+                guarded = mutex("{name}", using=using, shared=shared)(body)
             else:
 
                 def sync_body(name: str, call: _Call) -> None:
                     call.run()
 
-                guarded = mutex("{name}", using=using)(sync_body)
+                guarded = mutex("{name}", using=using, shared=shared)(sync_body)
             self._guards[key] = guarded
         return guarded
 
@@ -2380,10 +2467,11 @@ class _Worker:
 
         spec, using = self.pick(rng)
         hold = self.hold(rng)
+        shared = self.share(rng, spec)
         with self.attempt(spec) as rec:
             called = now_ns()
-            with mutex(spec.name, using=using) as held:
-                rec.body = self.enter(spec, "with", called, held.fence)
+            with mutex(spec.name, using=using, shared=shared) as held:
+                rec.body = self.enter(spec, "with", called, held.fence, shared=shared)
                 try:
                     time.sleep(hold)
                 finally:
@@ -2409,12 +2497,13 @@ class _Worker:
 
         spec, using = self.pick(rng)
         hold = self.hold(rng)
-        lock = Mutex(spec.name, using=using)
+        shared = self.share(rng, spec)
+        lock = Mutex(spec.name, using=using, shared=shared)
         with self.attempt(spec) as rec:
             called = now_ns()
             if not lock.acquire():
                 raise lock.contended()
-            rec.body = self.enter(spec, "acquire", called, lock.fence)
+            rec.body = self.enter(spec, "acquire", called, lock.fence, shared=shared)
             try:
                 time.sleep(hold)
             finally:
@@ -2423,11 +2512,12 @@ class _Worker:
 
     def sync_decorated(self, rng: random.Random) -> None:
         spec, using = self.pick(rng)
-        call = _Call(self, spec, "decorated", self.hold(rng))
+        shared = self.share(rng, spec)
+        call = _Call(self, spec, "decorated", self.hold(rng), shared=shared)
         with self.attempt(spec, call.rec):
             self._announced_fence(spec.name)
             call.called = now_ns()
-            self.guard(using, False)(spec.name, call)
+            self.guard(using, False, shared)(spec.name, call)
 
     def sync_nested(self, rng: random.Random) -> None:
         from django_redis_mutex import mutex
@@ -2560,10 +2650,13 @@ class _Worker:
 
         spec, using = self.pick(rng)
         hold = self.hold(rng)
+        shared = self.share(rng, spec)
         with self.attempt(spec) as rec:
             called = now_ns()
-            async with mutex(spec.name, using=using) as held:
-                rec.body = self.enter(spec, "async-with", called, held.fence, is_async=True)
+            async with mutex(spec.name, using=using, shared=shared) as held:
+                rec.body = self.enter(
+                    spec, "async-with", called, held.fence, is_async=True, shared=shared
+                )
                 try:
                     await asyncio.sleep(hold)
                 finally:
@@ -2574,12 +2667,15 @@ class _Worker:
 
         spec, using = self.pick(rng)
         hold = self.hold(rng)
-        lock = Mutex(spec.name, using=using)
+        shared = self.share(rng, spec)
+        lock = Mutex(spec.name, using=using, shared=shared)
         with self.attempt(spec) as rec:
             called = now_ns()
             if not await lock.aacquire():
                 raise lock.contended()
-            rec.body = self.enter(spec, "async-acquire", called, lock.fence, is_async=True)
+            rec.body = self.enter(
+                spec, "async-acquire", called, lock.fence, is_async=True, shared=shared
+            )
             try:
                 await asyncio.sleep(hold)
             finally:
@@ -2588,11 +2684,12 @@ class _Worker:
 
     async def async_decorated(self, rng: random.Random) -> None:
         spec, using = self.pick(rng)
-        call = _Call(self, spec, "async-decorated", self.hold(rng), is_async=True)
+        shared = self.share(rng, spec)
+        call = _Call(self, spec, "async-decorated", self.hold(rng), is_async=True, shared=shared)
         with self.attempt(spec, call.rec):
             self._announced_fence(spec.name)
             call.called = now_ns()
-            await self.guard(using, True)(spec.name, call)
+            await self.guard(using, True, shared)(spec.name, call)
 
     async def async_nested(self, rng: random.Random) -> None:
         from django_redis_mutex import mutex
@@ -2918,6 +3015,7 @@ class _Call:
         parent: str | None = None,
         fallback: int | None = None,
         is_async: bool = False,
+        shared: bool = False,
     ) -> None:
         self.worker = worker
         self.spec = spec
@@ -2926,6 +3024,7 @@ class _Call:
         self.parent = parent
         self.fallback = fallback
         self.is_async = is_async
+        self.shared = shared
         self.called = now_ns()
         self.rec = _Rec()
 
@@ -2942,6 +3041,7 @@ class _Call:
             self.fallback if joined else fence,
             is_async=self.is_async,
             joined=joined,
+            shared=self.shared,
         )
         return self.rec.body
 

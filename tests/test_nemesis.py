@@ -63,6 +63,7 @@ class Journal:
         is_async: bool = False,
         scenario: str | None = None,
         joined: bool = False,
+        shared: bool = False,
     ) -> str:
         self._bodies += 1
         body = f"{pid}-{self._bodies}"
@@ -82,6 +83,7 @@ class Journal:
                 "joined": joined,
                 "scenario": scenario,
                 "async": is_async,
+                "shared": shared,
             }
         )
         if leave is not None:
@@ -231,6 +233,97 @@ def test_a_loop_stall_explains_losses_of_async_bodies_only() -> None:
 
     assert kinds(verdict) == ["overlap: lease lost without a fault to explain it"]
     assert "single:a" in verdict.violations[0].text
+
+
+# -- shared bodies --------------------------------------------------------------------------------
+
+
+def test_two_shared_bodies_overlapping_pass() -> None:
+    journal = Journal()
+    journal.body(1, 10, 0, 300, shared=True)
+    journal.body(2, 11, 100, 400, shared=True, kind="async-with", is_async=True)
+    journal.body(3, 12, 150, 200, shared=True, kind="decorated")
+
+    verdict = journal.check()
+
+    assert verdict.violations == []
+    assert verdict.stats["shared overlaps"] == 3
+    assert "overlaps" not in verdict.stats
+
+
+def test_a_shared_and_an_exclusive_body_overlapping_with_no_fault_are_violations() -> None:
+    journal = Journal()
+    journal.body(1, 10, 0, 300, shared=True)  # the stale one, never told
+    journal.body(2, 11, 200, 400)
+    journal.body(3, 20, 1000, 1300, name="a", result="told")  # the stale one: exclusive
+    journal.body(4, 21, 1200, 1400, name="a", shared=True)
+
+    verdict = journal.check()
+
+    assert kinds(verdict) == [
+        "overlap: lease lost without a fault to explain it",
+        "overlap: stale holder never told",
+    ]
+    assert "single:a" in verdict.violations[0].text
+    assert "[shared with" in verdict.violations[1].text
+
+
+def test_a_shared_body_overlapping_an_exclusive_one_is_excused_only_by_a_fault() -> None:
+    journal = Journal()
+    journal.body(1, 10, 0, 3000, shared=True, result="told")
+    journal.body(2, 11, 2000, 2100)
+    journal.fault("pause-worker", 100, 2500, pid=1, slot=1)
+
+    verdict = journal.check()
+
+    assert verdict.violations == []
+    assert verdict.stats["excused"] == {"told": 1}
+
+
+def test_shared_bodies_may_enter_out_of_fence_order_but_two_never_share_a_fence() -> None:
+    # Granted together (10, 11): each journals when its thread gets to it.
+    journal = Journal()
+    journal.body(1, 11, 0, 100, shared=True)
+    journal.body(2, 10, 5, 100, shared=True)
+    journal.body(3, 12, 200, 300)
+    journal.body(1, 13, 400, 500, shared=True)
+    journal.body(2, 13, 450, 550, shared=True)
+
+    verdict = journal.check()
+
+    assert sorted(kinds(verdict)) == ["fence handed out twice", "overlap: one fence, two bodies"]
+
+
+def test_an_exclusive_fence_must_exceed_the_fences_of_shared_bodies_before_it() -> None:
+    journal = Journal()
+    journal.body(1, 10, 0, 100, shared=True)
+    journal.body(2, 14, 20, 150, shared=True)
+    journal.body(3, 12, 200, 300)  # below 14, whose body left before this one entered
+    journal.body(4, 20, 1000, 1100)
+    journal.body(1, 19, 1200, 1300, shared=True)  # below 20, entered after it left
+    journal.body(2, 21, 1050, 1500, shared=True, result="told", name="b")  # another lock
+
+    verdict = journal.check()
+
+    assert kinds(verdict) == ["fence went backwards", "fence went backwards"]
+    assert "fence 14" in verdict.violations[0].text and "fence 12" in verdict.violations[0].text
+    assert "fence 19" in verdict.violations[1].text and "fence 20" in verdict.violations[1].text
+
+
+def test_an_exclusive_fence_above_every_earlier_shared_one_passes() -> None:
+    journal = Journal()
+    journal.body(1, 10, 0, 100, shared=True)
+    journal.body(2, 11, 20, 150, shared=True)
+    journal.body(3, 12, 200, 300)
+    journal.body(1, 13, 400, 500, shared=True)
+    journal.body(2, 15, 420, 520, shared=True)
+    journal.body(3, 16, 600, 700)
+
+    verdict = journal.check()
+
+    assert verdict.violations == []
+    assert verdict.stats["fences against shared"] == 2
+    assert verdict.stats["fences in order"] == 1
 
 
 # -- killed holders -------------------------------------------------------------------------------
@@ -399,6 +492,10 @@ def test_locks_keep_their_promises_under_a_random_fault_schedule(topology: str) 
     stats = report.verdict.stats
     assert stats.get("bodies", 0) >= 100, context
     assert stats["kinds"].get("handover", 0) > 0, context
+    # Some bodies took their lock shared, and shared bodies met.
+    assert stats.get("shared bodies", 0) >= 20, context
+    if topology == "single":  # elsewhere only the side locks can be shared
+        assert stats.get("shared overlaps", 0) > 0, context
     faults = report.faults_by_kind()
     assert faults["handoff-stall"] >= 1, context
     assert faults["nested-reset"] >= 1, context
