@@ -7,7 +7,8 @@ lock, a Redis restart during a release, an operator reset under a nested
 block. Here a seed decides a schedule of faults for a bounded time, several
 worker processes (each running threads *and* asyncio tasks) contend for a
 handful of locks through every public way of taking one (some bodies of a
-``with``, ``async with``, ``acquire()`` or decorated call take their lock
+``with``, ``async with``, ``acquire()``, decorated call or nested block take
+their lock shared, and nested levels join a shared or an exclusive hold
 shared, on every lock but a quorum's, which cannot be shared), every critical
 section ("body") is journalled with whether it was shared, and :func:`check`
 then asks of the whole history what the lock promises.
@@ -907,6 +908,8 @@ class _Checker:
                 if event["e"] == "level":
                     opened.append(event)
                     self.stats["levels"] += 1
+                    if event.get("shared"):
+                        self.stats["shared levels"] += 1
                     continue
                 if not opened:
                     continue
@@ -934,7 +937,7 @@ class _Checker:
                     told_how=parent.told_how,
                     ttl=parent.ttl,
                     parent=parent_id,
-                    shared=parent.shared,
+                    shared=bool(level.get("shared", parent.shared)),
                 )
                 self.bodies[pseudo.id] = pseudo
 
@@ -1408,6 +1411,7 @@ class Report:
             + ", ".join(f"{k} {v}" for k, v in sorted(faults.items()))
             + f"); skipped {skipped}; lease-threatening {stats.get('threats', 0)}",
             f"  shared: {stats.get('shared bodies', 0)} bodies, "
+            f"{stats.get('shared levels', 0)} nested levels, "
             f"{stats.get('shared overlaps', 0)} pairs of shared bodies overlapping",
             f"  overlaps: {stats.get('overlaps', 0)} pairs; excused "
             + (", ".join(f"stale holder {k} {v}" for k, v in sorted(excused.items())) or "none")
@@ -2344,8 +2348,8 @@ class _Worker:
             self.journal.write("told", t=t, b=body, how="lock.lost")
         self.journal.write("leave", t=t, b=body)
 
-    def level(self, body: str, fence: int | None, how: str) -> None:
-        self.journal.write("level", b=body, fence=fence, how=how)
+    def level(self, body: str, fence: int | None, how: str, shared: bool = False) -> None:
+        self.journal.write("level", b=body, fence=fence, how=how, shared=shared)
 
     def unlevel(self, body: str) -> None:
         self.journal.write("unlevel", b=body)
@@ -2410,6 +2414,12 @@ class _Worker:
     def share(self, rng: random.Random, spec: LockSpec) -> bool:
         """Whether to take ``spec`` shared this time (a quorum lock cannot be shared)."""
         return spec.space != "quorum" and rng.random() < SHARED_SHARE
+
+    def share_inner(self, rng: random.Random, spec: LockSpec, outer: bool) -> bool:
+        """Whether a nested level takes ``spec`` shared: always inside a shared hold
+        (an exclusive level there is refused), now and then inside an exclusive one
+        (it joins that hold)."""
+        return outer or self.share(rng, spec)
 
     def hold(self, rng: random.Random) -> float:
         """A few ms to ~100 ms of work; now and then longer than a renewal period."""
@@ -2526,30 +2536,32 @@ class _Worker:
         inner_using = _using(rng.choice(spec.usings))
         how = rng.choice(("with", "handle", "decorated"))
         first, second, third = self.hold(rng) / 2, rng.uniform(0.002, 0.05), rng.uniform(0, 0.02)
+        shared = self.share(rng, spec)
+        inner_shared = self.share_inner(rng, spec, shared)
         with self.attempt(spec) as rec:
             called = now_ns()
-            with mutex(spec.name, using=using) as outer:
-                rec.body = body = self.enter(spec, "nested", called, outer.fence)
+            with mutex(spec.name, using=using, shared=shared) as outer:
+                rec.body = body = self.enter(spec, "nested", called, outer.fence, shared=shared)
                 try:
                     time.sleep(first)
                     if how == "with":
-                        with mutex(spec.name, using=inner_using) as inner:
-                            self.level(body, inner.fence, how)
+                        with mutex(spec.name, using=inner_using, shared=inner_shared) as inner:
+                            self.level(body, inner.fence, how, inner_shared)
                             try:
                                 time.sleep(second)
                             finally:
                                 self.unlevel(body)
                     elif how == "handle":
                         with outer:
-                            self.level(body, outer.fence, how)
+                            self.level(body, outer.fence, how, shared)
                             try:
                                 time.sleep(second)
                             finally:
                                 self.unlevel(body)
                     else:
                         self._announced_fence(spec.name)
-                        call = _Call(self, spec, "nested", second, parent=body)
-                        self.guard(inner_using, False)(spec.name, call)
+                        call = _Call(self, spec, "nested", second, parent=body, shared=inner_shared)
+                        self.guard(inner_using, False, inner_shared)(spec.name, call)
                     time.sleep(third)
                 finally:
                     self.leave(body, outer.lost)
@@ -2698,21 +2710,33 @@ class _Worker:
         inner_using = _using(rng.choice(spec.usings))
         decorated = rng.random() < 0.5
         first, second = self.hold(rng) / 2, rng.uniform(0.002, 0.05)
+        shared = self.share(rng, spec)
+        inner_shared = self.share_inner(rng, spec, shared)
         with self.attempt(spec) as rec:
             called = now_ns()
-            async with mutex(spec.name, using=using) as outer:
+            async with mutex(spec.name, using=using, shared=shared) as outer:
                 rec.body = body = self.enter(
-                    spec, "async-nested", called, outer.fence, is_async=True
+                    spec, "async-nested", called, outer.fence, is_async=True, shared=shared
                 )
                 try:
                     await asyncio.sleep(first)
                     if decorated:
                         self._announced_fence(spec.name)
-                        call = _Call(self, spec, "async-nested", second, parent=body, is_async=True)
-                        await self.guard(inner_using, True)(spec.name, call)
+                        call = _Call(
+                            self,
+                            spec,
+                            "async-nested",
+                            second,
+                            parent=body,
+                            is_async=True,
+                            shared=inner_shared,
+                        )
+                        await self.guard(inner_using, True, inner_shared)(spec.name, call)
                     else:
-                        async with mutex(spec.name, using=inner_using) as inner:
-                            self.level(body, inner.fence, "async with")
+                        async with mutex(
+                            spec.name, using=inner_using, shared=inner_shared
+                        ) as inner:
+                            self.level(body, inner.fence, "async with", inner_shared)
                             try:
                                 await asyncio.sleep(second)
                             finally:
@@ -3031,7 +3055,7 @@ class _Call:
     def _enter(self) -> str:
         fence = self.worker._announced_fence(self.spec.name)
         if self.parent is not None:
-            self.worker.level(self.parent, fence, "decorated")
+            self.worker.level(self.parent, fence, "decorated", self.shared)
             return self.parent
         joined = fence is None
         self.rec.body = self.worker.enter(
