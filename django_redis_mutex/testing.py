@@ -36,18 +36,20 @@ __all__ = [
 # the caller's ACL too, so the commands the Lua scripts run are listed as well.
 LOCK_COMMANDS: tuple[str, ...] = (
     # Sent by the app itself: scripts, blocking waits for a hand-off, and the
-    # reads of time_left()/owned()/locked()/owner(), held_locks() and reset_all().
+    # reads of time_left()/owned()/locked()/owner(), held_locks() and reset_all()
+    # (a lock held shared keeps each holder's lease by the server clock: time).
     "evalsha",
     "script|load",
     "blpop",
     "scan",
     "hget",
     "hmget",
+    "hgetall",
     "pttl",
     "exists",
     "zcard",
-    # Run inside the Lua scripts (see django_redis_mutex.scripts).
     "time",
+    # Run inside the Lua scripts (see django_redis_mutex.scripts).
     "get",
     "set",
     "hset",
