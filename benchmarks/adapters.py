@@ -58,11 +58,12 @@ class MutexHandle(Adapter):
     """django-redis-mutex: a new ``Mutex`` per cycle, acquire() then release()."""
 
     watchdog = True
+    shared = False
 
     def acquire(self) -> Any:
         from django_redis_mutex import Mutex
 
-        lock = Mutex(self.name, timeout=WAIT, watchdog=self.watchdog)
+        lock = Mutex(self.name, timeout=WAIT, watchdog=self.watchdog, shared=self.shared)
         self._check(lock.acquire())
         return lock
 
@@ -74,6 +75,12 @@ class MutexNoWatchdog(MutexHandle):
     """django-redis-mutex with ``watchdog=False``: what the renewal bookkeeping costs."""
 
     watchdog = False
+
+
+class MutexShared(MutexHandle):
+    """django-redis-mutex with ``shared=True``: a read lock's uncontended cycle."""
+
+    shared = True
 
 
 class MutexQuorum(MutexHandle):
@@ -252,6 +259,7 @@ CONTENDERS: list[Contender] = [
     Contender(
         "drm-no-watchdog", "django-redis-mutex watchdog=False", MutexNoWatchdog, contended=False
     ),
+    Contender("drm-shared", "django-redis-mutex shared=True", MutexShared, contended=False),
     Contender("drm-quorum", "django-redis-mutex Redlock (3 masters)", MutexQuorum, contended=False),
     Contender("raw", "raw SET NX PX + EVALSHA", RawBaseline, contended=False),
     Contender("redis-py", "redis-py Lock (sleep 0.1)", RedisPyLock),
