@@ -145,7 +145,7 @@ def test_locks_command_in_a_second_terminal_finds_the_demo_redis(demo: Demo) -> 
         60,
         "manage.py locks --json to list a demo worker's lock",
     )
-    worker_locks = {"report:nightly", "sync:crm", "product:1", "billing:run"}
+    worker_locks = {"report:nightly", "sync:crm", "export:catalog", "billing:run"}
     assert {lock["name"] for lock in locks} <= worker_locks
 
 
