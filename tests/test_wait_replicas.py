@@ -262,6 +262,58 @@ def test_waiter_handed_the_lock_without_replicas_hands_it_on(servers: Replicated
         second.release()
 
 
+def shared_record_on(client: redis.Redis, lock: Mutex) -> bool:
+    return bool(client.hexists(lock.keys.lock, f"r:{lock.token}"))
+
+
+@pytest.mark.usefixtures("replicated_caches")
+def test_a_shared_hold_is_on_both_replicas_when_acquire_returns(servers: Replicated) -> None:
+    reader = Mutex("report", shared=True)
+    assert reader.acquire()
+    try:
+        assert [shared_record_on(replica, reader) for replica in servers.on_replicas] == [
+            True,
+            True,
+        ]
+    finally:
+        reader.release()
+
+
+@pytest.mark.usefixtures("replicated_caches")
+def test_a_shared_hold_without_enough_replicas_is_given_back(servers: Replicated) -> None:
+    other = Mutex("report", using="plain", shared=True)
+    assert other.acquire()
+    servers.replicas[1].pause()
+    reader = Mutex("report", shared=True)
+    with pytest.raises(LockNotReplicated):
+        reader.acquire()
+    # Only its own record went; the other reader still holds.
+    fields = servers.on_master.hkeys(other.keys.lock)
+    assert fields == [f"r:{other.token}".encode()]
+    other.release()
+
+
+@pytest.mark.usefixtures("replicated_caches")
+def test_a_shared_waiter_handed_the_lock_has_it_acknowledged(servers: Replicated) -> None:
+    writer = Mutex("report", using="plain")
+    assert writer.acquire()
+    reader = Mutex("report", shared=True)
+    outcome: dict[str, Any] = {}
+    thread = _acquire_in_thread(reader, outcome)
+    wait_until(lambda: queued(servers, writer) == 1, 10, "the reader to queue")
+    writer.release()
+    thread.join(20)
+    assert outcome.get("acquired") is True, outcome
+    try:
+        field = f"r:{outcome['token']}"
+        assert [bool(r.hexists(reader.keys.lock, field)) for r in servers.on_replicas] == [
+            True,
+            True,
+        ]
+    finally:
+        reader.release()
+
+
 # -- async -------------------------------------------------------------------------------------
 
 
