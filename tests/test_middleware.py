@@ -87,6 +87,21 @@ def test_contended_view_returns_503_json_with_retry_after(client: Client) -> Non
     assert response["Retry-After"] == str(body["retry_after"])
 
 
+def test_a_shared_view_runs_beside_a_reader_and_answers_503_while_a_writer_holds(
+    client: Client,
+) -> None:
+    with held_elsewhere("busy", shared=True):
+        beside_a_reader = client.get("/busy/read/")
+        writer_refused = client.get("/busy/")
+    with held_elsewhere("busy", ttl=7):
+        reader_refused = client.get("/busy/read/")
+    assert beside_a_reader.status_code == 200
+    assert beside_a_reader.json() == {"held": ["busy"]}
+    assert writer_refused.status_code == 503
+    assert reader_refused.status_code == 503
+    assert 5 <= int(reader_refused["Retry-After"]) <= 7
+
+
 def test_retry_after_is_at_least_one_second_for_a_lease_about_to_end(client: Client) -> None:
     # The holder's watchdog keeps a 0.4 s lease alive; what is left is always < 1 s.
     with held_elsewhere("busy", ttl=0.4):

@@ -14,6 +14,7 @@ urlpatterns = [
     path("async-items/<int:pk>/", views.AsyncItemView.as_view()),
     path("counters/<int:pk>/bump/", views.bump),
     path("busy/", views.busy),
+    path("busy/read/", views.read_busy),
     # Any characters at all, newlines and slashes included (<path:> stops at a newline).
     re_path(r"^documents/(?P<key>(?s:.+))/$", views.document),
     path("async-busy/", views.async_busy),

@@ -70,6 +70,12 @@ def busy(request: HttpRequest) -> JsonResponse:
     return held_now()
 
 
+@mutex("busy", shared=True, blocking=False)
+def read_busy(request: HttpRequest) -> JsonResponse:
+    """Read under "busy" shared: runs beside other readers, 503 while a writer holds it."""
+    return held_now()
+
+
 @mutex("busy", blocking=False)
 async def async_busy(request: HttpRequest) -> JsonResponse:
     return await sync_to_async(held_now)()
