@@ -399,26 +399,41 @@ def _log_deletion(request: HttpRequest, name: str, message: str) -> None:
         )
 
 
-def release_locks(request: HttpRequest, model_admin: LockAdmin) -> HttpResponse:
-    """Confirm (GET) and perform (POST) the force-release of the named locks."""
+def _reset_request(
+    request: HttpRequest, model_admin: LockAdmin, title: str, template: str, listing: str
+) -> HttpResponse | tuple[Any, str, str]:
+    """Check what every confirm-then-POST view starts with; return (data, query, alias).
+
+    The method (GET shows the confirmation, POST acts), the release permission
+    (taking a lock or a permit from its holder needs it), and the alias; a
+    refusal comes back as the response to send instead.
+    """
     if request.method not in ("GET", "HEAD", "POST"):
         return HttpResponseNotAllowed(["GET", "HEAD", "POST"])
     if not (
         model_admin.has_view_permission(request) and model_admin.has_release_permission(request)
     ):
         raise PermissionDenied
-    changelist_url, release_url = _urls(model_admin)
     data = request.POST if request.method == "POST" else request.GET
-    query = data.get("q", "")
     try:
         using = _chosen_alias(request, lock_aliases())
     except _AliasError as exc:
-        context = _base_context(request, model_admin, _("Release locks"))
-        context.update(error=str(exc), locks=[])
+        context = _base_context(request, model_admin, title)
+        context.update({"error": str(exc), listing: []})
         request.current_app = model_admin.admin_site.name
-        return TemplateResponse(
-            request, "django_redis_mutex/admin/release.html", context, status=404
-        )
+        return TemplateResponse(request, template, context, status=404)
+    return data, data.get("q", ""), using
+
+
+def release_locks(request: HttpRequest, model_admin: LockAdmin) -> HttpResponse:
+    """Confirm (GET) and perform (POST) the force-release of the named locks."""
+    checked = _reset_request(
+        request, model_admin, _("Release locks"), "django_redis_mutex/admin/release.html", "locks"
+    )
+    if isinstance(checked, HttpResponse):
+        return checked
+    data, query, using = checked
+    changelist_url, release_url = _urls(model_admin)
     filters = _Filters(data)
     back = _url(changelist_url, using=using, q=query, **filters.values)
     names = _requested_names(data.getlist("name"))
@@ -653,24 +668,17 @@ def reset_semaphores(request: HttpRequest, model_admin: LockAdmin) -> HttpRespon
     lock, so it needs the same permission and goes through the same
     confirmation page and CSRF-protected POST.
     """
-    if request.method not in ("GET", "HEAD", "POST"):
-        return HttpResponseNotAllowed(["GET", "HEAD", "POST"])
-    if not (
-        model_admin.has_view_permission(request) and model_admin.has_release_permission(request)
-    ):
-        raise PermissionDenied
+    checked = _reset_request(
+        request,
+        model_admin,
+        _("Reset semaphores"),
+        "django_redis_mutex/admin/semaphore_reset.html",
+        "semaphores",
+    )
+    if isinstance(checked, HttpResponse):
+        return checked
+    data, query, using = checked
     changelist_url, _release_url = _urls(model_admin)
-    data = request.POST if request.method == "POST" else request.GET
-    query = data.get("q", "")
-    try:
-        using = _chosen_alias(request, lock_aliases())
-    except _AliasError as exc:
-        context = _base_context(request, model_admin, _("Reset semaphores"))
-        context.update(error=str(exc), semaphores=[])
-        request.current_app = model_admin.admin_site.name
-        return TemplateResponse(
-            request, "django_redis_mutex/admin/semaphore_reset.html", context, status=404
-        )
     back = _url(changelist_url, using=using, q=query)
     names = _requested_names(data.getlist("name"))
     if not names:
