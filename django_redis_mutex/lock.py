@@ -255,6 +255,16 @@ class Mutex:
         lease = self.lease if pttl < 0 else max(pttl, 1) / 1000
         return self._grant(reply[1], sent, lease, decode(reply[3]) or None)
 
+    def _granted_steps(self, reply: list[Any], sent: float) -> Steps[Grant]:
+        """Return the grant a {1, ...} answer carries, waking whom it says to wake first.
+
+        ACQUIRE_SHARED may admit a run of shared waiters with the caller: their
+        tokens come as a fifth item.
+        """
+        if len(reply) > 4:
+            yield from self._wake(reply[4])
+        return self._granted_by(reply, sent)
+
     def _acquire_steps(
         self, token: str, blocking: bool, deadline: float | None, started: float
     ) -> Steps[Grant | None]:
@@ -268,7 +278,7 @@ class Mutex:
         if not isinstance(reply, list):  # the fence alone: ours, nobody in line
             return self._grant(reply, sent, self.lease)
         if reply[0] == 1:
-            return self._granted_by(reply, sent)
+            return (yield from self._granted_steps(reply, sent))
         yield from self._wake(reply[3])
         self._refused(reply, started)
         if not blocking:
@@ -300,7 +310,7 @@ class Mutex:
             grant = self._grant(reply, sent, self.lease)
             return (yield from self._acknowledged(token, grant, acknowledged))
         if reply[0] == 1 and int(reply[2]) < 0:  # granted by this very script
-            grant = self._granted_by(reply, sent)
+            grant = yield from self._granted_steps(reply, sent)
             return (yield from self._acknowledged(token, grant, acknowledged))
         if reply[0] != 1:
             yield from self._wake(reply[3])
@@ -310,7 +320,7 @@ class Mutex:
         refused_sent = sent
         while True:
             if reply[0] == 1:
-                handed: Grant | None = self._granted_by(reply, sent)
+                handed: Grant | None = yield from self._granted_steps(reply, sent)
             else:
                 handed = yield from self._wait_steps(token, deadline, reply, started, refused_sent)
             if handed is None:
@@ -386,7 +396,7 @@ class Mutex:
             if not isinstance(reply, list):
                 return self._grant(reply, sent, self.lease)
             if reply[0] == 1:
-                return self._granted_by(reply, sent)
+                return (yield from self._granted_steps(reply, sent))
             yield from self._wake(reply[3])
             refused_sent = sent
             self._refused(reply, started)
@@ -891,12 +901,18 @@ class Mutex:
     def locked(self) -> bool:
         """Return True if anyone holds the lock right now."""
         with backend_errors(self.name, self.using):
-            return bool(get_client(self.using).exists(self.keys.lock))
+            pipe = get_client(self.using).pipeline(transaction=False)
+            pipe.hgetall(self.keys.lock)
+            pipe.time()
+            return _holder_owner(*pipe.execute()) is not None
 
     async def alocked(self) -> bool:
         """Async twin of :meth:`locked`."""
         with backend_errors(self.name, self.using):
-            return bool(await (await get_async_client(self.using)).exists(self.keys.lock))
+            pipe = (await get_async_client(self.using)).pipeline(transaction=False)
+            pipe.hgetall(self.keys.lock)
+            pipe.time()
+            return _holder_owner(*(await pipe.execute())) is not None
 
     def ttl(self) -> float:
         """Deprecated name of :meth:`time_left` (``ttl=`` is the lease length)."""
@@ -915,14 +931,20 @@ class Mutex:
         :func:`~django_redis_mutex.held_locks` for all of them).
         """
         with backend_errors(self.name, self.using):
-            fields = get_client(self.using).hgetall(self.keys.lock)
-        return _holder_owner(fields)
+            pipe = get_client(self.using).pipeline(transaction=False)
+            pipe.hgetall(self.keys.lock)
+            pipe.time()
+            owner = _holder_owner(*pipe.execute())
+        return owner or None
 
     async def aowner(self) -> Owner | None:
         """Async twin of :meth:`owner`."""
         with backend_errors(self.name, self.using):
-            fields = await (await get_async_client(self.using)).hgetall(self.keys.lock)
-        return _holder_owner(fields)
+            pipe = (await get_async_client(self.using)).pipeline(transaction=False)
+            pipe.hgetall(self.keys.lock)
+            pipe.time()
+            owner = _holder_owner(*(await pipe.execute()))
+        return owner or None
 
     # -- context manager -----------------------------------------------------
     #
@@ -1171,12 +1193,20 @@ def _shared_left(record: Any, server_time: Any) -> float:
     return max(0, ends - now_ms) / 1000
 
 
-def _holder_owner(fields: dict[Any, Any]) -> Owner | None:
-    """Return the owner in a lock hash: the exclusive holder's, else a shared holder's."""
+def _holder_owner(fields: dict[Any, Any], server_time: Any) -> Owner | Literal[""] | None:
+    """Return the owner in a lock hash (the exclusive holder's, else a live shared holder's).
+
+    None when nobody holds the lock: no hash, or only shared records whose
+    lease ended (dropped by the next script that looks). A holder whose owner
+    record cannot be read comes back as "" (held, owner unknown).
+    """
     record = {decode(key): decode(value) for key, value in fields.items()}
-    if "owner" in record:
-        return parse_owner(record["owner"])
+    if "token" in record:
+        return parse_owner(record.get("owner")) or ""
+    now_ms = int(server_time[0]) * 1000 + int(server_time[1]) // 1000
     for key, value in sorted(record.items()):
-        if key.startswith("r:"):
-            return parse_owner(value.split("|", 3)[3])
+        parts = value.split("|", 3)
+        live = key.startswith("r:") and len(parts) == 4 and parts[0].isdigit()
+        if live and int(parts[0]) > now_ms:
+            return parse_owner(parts[3]) or ""
     return None

@@ -181,6 +181,8 @@ end
 -- Drop the shared holders whose lease ended; return how many are left. A hash
 -- left with no holder at all is deleted, so the lock reads as free.
 local function live_readers(now_ms)
+  -- An exclusive lock that ended leaves no hash: nothing to read.
+  if redis.call('EXISTS', KEYS[1]) == 0 then return 0 end
   local fields = redis.call('HGETALL', KEYS[1])
   local live, exclusive = 0, false
   for i = 1, #fields, 2 do
@@ -351,9 +353,11 @@ end
 
 
 # ACQUIRE_SHARED: ACQUIRE for a shared holder (its token starts with 's').
-# Same KEYS, ARGV and answers. A shared holder gets in whenever no exclusive
-# holder has the lock and no exclusive waiter is first in line: a writer that
-# waits blocks new readers, so a stream of readers never starves it.
+# Same KEYS, ARGV and answers, except that a {1, ...} answer may carry a fifth
+# item: shared waiters admitted with the caller, for it to WAKE. A shared
+# holder gets in whenever no exclusive holder has the lock and no exclusive
+# waiter is ahead of it in line: a writer that waits blocks new readers, so a
+# stream of readers never starves it.
 ACQUIRE_SHARED = LuaScript(
     "acquire_shared",
     _CONSTANTS
@@ -383,13 +387,28 @@ if not redis.call('HGET', KEYS[1], 'token') then
   local live = live_readers(now_ms)
   prune_dead_waiters(now_ms)
   local head = first_in_line()
-  if (not head) or head == token or is_shared(head) then
+  if head and head ~= token and is_shared(head) then
+    -- Shared waiters are first in line and nobody handed them the lock (an
+    -- exclusive lease ended, a writer ahead of them left): they go in first,
+    -- up to the next exclusive waiter, so nobody passes a writer in line.
+    woken = hand_to(head, nil)
+    live = live + 1
+    mine = redis.call('HGET', KEYS[1], 'r:' .. token)
+    if mine then
+      -- We were in that run. The others are in the reply's fifth item, to wake.
+      local _, fence, left = reader_state(mine, now_ms)
+      redis.call('DEL', KEYS[6])
+      return {1, fence, left, first_in_line() or '', woken}
+    end
+    head = first_in_line()
+  end
+  if (not head) or head == token then
     forget_waiter(token)
     redis.call('DEL', KEYS[6])
     local after = first_in_line()
     local fence = grant_shared(token, ttl, owner)
     if after then redis.call('HSET', KEYS[1], 'queued', '1') end
-    return {1, fence, -1, after or ''}
+    return {1, fence, -1, after or '', woken}
   end
   if live == 0 then
     -- Free, and an exclusive waiter is first in line: it gets the lock now.

@@ -253,7 +253,9 @@ def test_reset_frees_every_shared_holder() -> None:
     assert first.acquire() and second.acquire()
     assert reset("reset-read")
     assert not first.owned() and not second.owned()
-    assert Mutex("reset-read", blocking=False).acquire()
+    writer = Mutex("reset-read", blocking=False)
+    assert writer.acquire()
+    writer.release()
 
 
 def test_a_shared_flag_that_is_not_a_bool_is_refused() -> None:
