@@ -842,10 +842,9 @@ class Mutex:
             return 0.0
         with backend_errors(self.name, self.using):
             if hold.shared:
-                pipe = get_client(self.using).pipeline(transaction=False)
-                pipe.hget(self.keys.lock, "r:" + hold.token)
-                pipe.time()
-                return _shared_left(*pipe.execute())
+                client = get_client(self.using)
+                record = client.hget(self.keys.lock, "r:" + hold.token)
+                return _shared_left(record, client.time() if record else None)
             pipe = get_client(self.using).pipeline(transaction=False)
             pipe.hget(self.keys.lock, "token")
             pipe.pttl(self.keys.lock)
@@ -859,10 +858,9 @@ class Mutex:
             return 0.0
         with backend_errors(self.name, self.using):
             if hold.shared:
-                pipe = (await get_async_client(self.using)).pipeline(transaction=False)
-                pipe.hget(self.keys.lock, "r:" + hold.token)
-                pipe.time()
-                return _shared_left(*(await pipe.execute()))
+                client = await get_async_client(self.using)
+                record = await client.hget(self.keys.lock, "r:" + hold.token)
+                return _shared_left(record, (await client.time()) if record else None)
             pipe = (await get_async_client(self.using)).pipeline(transaction=False)
             pipe.hget(self.keys.lock, "token")
             pipe.pttl(self.keys.lock)
@@ -876,10 +874,9 @@ class Mutex:
             return False
         with backend_errors(self.name, self.using):
             if hold.shared:
-                pipe = get_client(self.using).pipeline(transaction=False)
-                pipe.hget(self.keys.lock, "r:" + hold.token)
-                pipe.time()
-                return _shared_left(*pipe.execute()) > 0
+                client = get_client(self.using)
+                record = client.hget(self.keys.lock, "r:" + hold.token)
+                return _shared_left(record, client.time() if record else None) > 0
             token = get_client(self.using).hget(self.keys.lock, "token")
         return decode(token) == hold.token
 
@@ -891,28 +888,26 @@ class Mutex:
         with backend_errors(self.name, self.using):
             client = await get_async_client(self.using)
             if hold.shared:
-                pipe = client.pipeline(transaction=False)
-                pipe.hget(self.keys.lock, "r:" + hold.token)
-                pipe.time()
-                return _shared_left(*(await pipe.execute())) > 0
+                record = await client.hget(self.keys.lock, "r:" + hold.token)
+                return _shared_left(record, (await client.time()) if record else None) > 0
             token = await client.hget(self.keys.lock, "token")
         return decode(token) == hold.token
 
     def locked(self) -> bool:
         """Return True if anyone holds the lock right now."""
         with backend_errors(self.name, self.using):
-            pipe = get_client(self.using).pipeline(transaction=False)
-            pipe.hgetall(self.keys.lock)
-            pipe.time()
-            return _holder_owner(*pipe.execute()) is not None
+            client = get_client(self.using)
+            fields = client.hgetall(self.keys.lock)
+            clock = client.time() if _held_shared(fields) else None
+        return _holder_owner(fields, clock) is not None
 
     async def alocked(self) -> bool:
         """Async twin of :meth:`locked`."""
         with backend_errors(self.name, self.using):
-            pipe = (await get_async_client(self.using)).pipeline(transaction=False)
-            pipe.hgetall(self.keys.lock)
-            pipe.time()
-            return _holder_owner(*(await pipe.execute())) is not None
+            client = await get_async_client(self.using)
+            fields = await client.hgetall(self.keys.lock)
+            clock = (await client.time()) if _held_shared(fields) else None
+        return _holder_owner(fields, clock) is not None
 
     def ttl(self) -> float:
         """Deprecated name of :meth:`time_left` (``ttl=`` is the lease length)."""
@@ -931,20 +926,18 @@ class Mutex:
         :func:`~django_redis_mutex.held_locks` for all of them).
         """
         with backend_errors(self.name, self.using):
-            pipe = get_client(self.using).pipeline(transaction=False)
-            pipe.hgetall(self.keys.lock)
-            pipe.time()
-            owner = _holder_owner(*pipe.execute())
-        return owner or None
+            client = get_client(self.using)
+            fields = client.hgetall(self.keys.lock)
+            clock = client.time() if _held_shared(fields) else None
+        return _holder_owner(fields, clock) or None
 
     async def aowner(self) -> Owner | None:
         """Async twin of :meth:`owner`."""
         with backend_errors(self.name, self.using):
-            pipe = (await get_async_client(self.using)).pipeline(transaction=False)
-            pipe.hgetall(self.keys.lock)
-            pipe.time()
-            owner = _holder_owner(*(await pipe.execute()))
-        return owner or None
+            client = await get_async_client(self.using)
+            fields = await client.hgetall(self.keys.lock)
+            clock = (await client.time()) if _held_shared(fields) else None
+        return _holder_owner(fields, clock) or None
 
     # -- context manager -----------------------------------------------------
     #
@@ -1184,26 +1177,44 @@ def _flag(what: str, value: object) -> bool:
     return value
 
 
+def _server_ms(server_time: Any) -> int:
+    """Return a TIME reply in ms (a cluster client answers per node: any node will do).
+
+    TIME is sent on its own, never in a pipeline: a cluster client refuses it there.
+    """
+    if isinstance(server_time, dict):
+        server_time = next(iter(server_time.values()))
+    return int(server_time[0]) * 1000 + int(server_time[1]) // 1000
+
+
 def _shared_left(record: Any, server_time: Any) -> float:
     """Return the seconds left on a shared holder's record (0.0 if gone), by the server clock."""
     if not record:
         return 0.0
     ends = int(decode(record).split("|", 1)[0])
-    now_ms = int(server_time[0]) * 1000 + int(server_time[1]) // 1000
-    return max(0, ends - now_ms) / 1000
+    return max(0, ends - _server_ms(server_time)) / 1000
+
+
+def _held_shared(fields: dict[Any, Any]) -> bool:
+    """True when a lock hash has no exclusive holder but does have shared records."""
+    keys = [decode(key) for key in fields]
+    return "token" not in keys and any(key.startswith("r:") for key in keys)
 
 
 def _holder_owner(fields: dict[Any, Any], server_time: Any) -> Owner | Literal[""] | None:
     """Return the owner in a lock hash (the exclusive holder's, else a live shared holder's).
 
     None when nobody holds the lock: no hash, or only shared records whose
-    lease ended (dropped by the next script that looks). A holder whose owner
-    record cannot be read comes back as "" (held, owner unknown).
+    lease ended (dropped by the next script that looks); ``server_time`` is
+    needed only then. A holder whose owner record cannot be read comes back
+    as "" (held, owner unknown).
     """
     record = {decode(key): decode(value) for key, value in fields.items()}
     if "token" in record:
         return parse_owner(record.get("owner")) or ""
-    now_ms = int(server_time[0]) * 1000 + int(server_time[1]) // 1000
+    if not _held_shared(fields):
+        return None
+    now_ms = _server_ms(server_time)
     for key, value in sorted(record.items()):
         parts = value.split("|", 3)
         live = key.startswith("r:") and len(parts) == 4 and parts[0].isdigit()

@@ -268,6 +268,9 @@ def test_shared_holders_hand_over_to_a_writer_and_back_on_the_cluster(
     second = Mutex("shared-on-cluster", using=ALIAS, shared=True)
     assert first.acquire() and second.acquire()
     reader_fences = [first.fence or 0, second.fence or 0]
+    # The reads behind these take the server clock, never inside a cluster pipeline.
+    assert first.owned() and first.locked() and first.time_left() > 0
+    assert first.owner() is not None
     [listed] = held_locks(using=ALIAS)
     assert listed.shared and len(listed.holders) == 2
     entered: list[tuple[str, int]] = []
