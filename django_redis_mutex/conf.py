@@ -17,7 +17,14 @@ from django.core.exceptions import ImproperlyConfigured
 from django.core.signals import setting_changed
 from django.dispatch import receiver
 
-__all__ = ["DEFAULTS", "MutexSettings", "get_settings", "validate_timeout", "validate_ttl"]
+__all__ = [
+    "DEFAULTS",
+    "MutexSettings",
+    "get_settings",
+    "validate_flag",
+    "validate_timeout",
+    "validate_ttl",
+]
 
 DEFAULTS: dict[str, Any] = {
     "TTL": 30,
@@ -86,6 +93,13 @@ def validate_ttl(value: object, *, what: str = "ttl") -> float:
     if ttl > MAX_TTL:
         raise ValueError(f"{what} must be at most {int(MAX_TTL)} seconds (a year), got {value!r}.")
     return ttl
+
+
+def validate_flag(what: str, value: object) -> bool:
+    """Return ``value`` if it is True or False, else raise TypeError naming ``what``."""
+    if not isinstance(value, bool):
+        raise TypeError(f"{what} must be True or False, not {type(value).__name__}.")
+    return value
 
 
 def validate_timeout(value: object, *, what: str = "timeout") -> float | None:

@@ -19,7 +19,7 @@ import threading
 from collections.abc import Callable, Sequence
 from typing import Any, Generic, Literal, TypeVar, cast
 
-from .conf import validate_timeout, validate_ttl
+from .conf import validate_flag, validate_timeout, validate_ttl
 from .exceptions import LockContended
 from .holds import current_owner
 from .keys import validate_label, validate_name
@@ -172,10 +172,7 @@ class MutexContext:
         # are only read when a lock is actually built.
         if "label" in options:
             validate_label(options["label"])
-        if not isinstance(options.get("shared", False), bool):
-            raise TypeError(
-                f"shared must be True or False, not {type(options['shared']).__name__}."
-            )
+        validate_flag("shared", options.get("shared", False))
         if options.get("ttl", DEFAULT) is not DEFAULT:
             validate_ttl(options["ttl"])
         if options.get("timeout", DEFAULT) is not DEFAULT:

@@ -31,7 +31,7 @@ from redis import exceptions as redis_errors
 
 from . import scripts, signals
 from .client import backend_errors, get_async_client, get_client, namespace
-from .conf import MutexSettings, get_settings, validate_timeout, validate_ttl
+from .conf import MutexSettings, get_settings, validate_flag, validate_timeout, validate_ttl
 from .driver import (
     REDIS_TICK,
     Acknowledged,
@@ -147,7 +147,7 @@ class Mutex:
         self.name: str = validate_name(name)
         #: True for a shared (read) lock: any number of shared holders at once,
         #: none while an exclusive holder has it.
-        self.shared: bool = _flag("shared", shared)
+        self.shared: bool = validate_flag("shared", shared)
         self._acquire_script = scripts.ACQUIRE_SHARED if self.shared else scripts.ACQUIRE
         if isinstance(using, (list, tuple)) and len(using) == 1:
             using = using[0]
@@ -161,14 +161,14 @@ class Mutex:
             config.timeout if timeout is DEFAULT else validate_timeout(timeout)
         )
         self.blocking: bool = (
-            config.blocking if blocking is DEFAULT else _flag("blocking", blocking)
+            config.blocking if blocking is DEFAULT else validate_flag("blocking", blocking)
         )
         if blocking is False and timeout is not DEFAULT and timeout is not None:
             raise ValueError("A timeout cannot be given for a non-blocking lock (blocking=False).")
         self.watchdog: bool = (
-            config.watchdog if watchdog is DEFAULT else _flag("watchdog", watchdog)
+            config.watchdog if watchdog is DEFAULT else validate_flag("watchdog", watchdog)
         )
-        self.reentrant: bool = _flag("reentrant", reentrant)
+        self.reentrant: bool = validate_flag("reentrant", reentrant)
         self.label = validate_label(label)
         self.keys = LockKeys.for_name(namespace(using), self.name)
         # One entry per level this handle holds; a nested level repeats its hold.
@@ -468,14 +468,7 @@ class Mutex:
     # -- acquire -------------------------------------------------------------
 
     def _wait_params(self, blocking: bool, timeout: float | None) -> tuple[bool, float | None]:
-        if blocking is DEFAULT:
-            blocking = self.blocking
-        else:
-            blocking = _flag("blocking", blocking)
-            if not blocking and timeout is not DEFAULT and timeout is not None:
-                raise ValueError("A timeout cannot be given for a non-blocking acquire.")
-        timeout = self.timeout if timeout is DEFAULT else validate_timeout(timeout)
-        return blocking, timeout
+        return wait_params(blocking, timeout, self.blocking, self.timeout)
 
     def _nest_candidate(self) -> Hold | None:
         """Return the hold a new level may join: this owner's on this handle, or an open scope's.
@@ -1171,10 +1164,22 @@ def _wants_quorum(using: object) -> bool:
     return False
 
 
-def _flag(what: str, value: object) -> bool:
-    if not isinstance(value, bool):
-        raise TypeError(f"{what} must be True or False, not {value!r}.")
-    return value
+def wait_params(
+    blocking: Any, timeout: Any, default_blocking: bool, default_timeout: float | None
+) -> tuple[bool, float | None]:
+    """Resolve an acquire()'s ``blocking`` and ``timeout`` (DEFAULT: the handle's) or raise.
+
+    Shared by locks and semaphores, so both refuse the same bad combinations
+    with the same message.
+    """
+    if blocking is DEFAULT:
+        blocking = default_blocking
+    else:
+        blocking = validate_flag("blocking", blocking)
+        if not blocking and timeout is not DEFAULT and timeout is not None:
+            raise ValueError("A timeout cannot be given for a non-blocking acquire.")
+    timeout = default_timeout if timeout is DEFAULT else validate_timeout(timeout)
+    return blocking, timeout
 
 
 def _server_ms(server_time: Any) -> int:

@@ -44,13 +44,13 @@ from redis import exceptions as redis_errors
 
 from . import scripts
 from .client import backend_errors, get_client, namespace
-from .conf import get_settings, validate_timeout, validate_ttl
+from .conf import get_settings, validate_flag, validate_timeout, validate_ttl
 from .decorators import EnteredHandles, MutexContext
 from .driver import REDIS_TICK, AsyncDriver, Pop, Script, Steps, run_in_child, run_steps
 from .exceptions import LockBackendUnavailable, LockContended, LockLost, LockNotOwned
 from .holds import Lease, decode, owner_metadata
 from .keys import escape_name, glob_escape, unescape_name, validate_label, validate_name
-from .lock import DEFAULT
+from .lock import DEFAULT, wait_params
 from .owners import Owner, parse_owner
 from .scripts import WAIT_LEASE, lease_ms
 from .semaphore_scripts import (
@@ -96,12 +96,6 @@ def validate_limit(limit: object) -> int:
     if limit > MAX_LIMIT:
         raise ValueError(f"Semaphore limit must be at most {MAX_LIMIT}, got {limit}.")
     return limit
-
-
-def _validate_flag(what: str, value: object) -> bool:
-    if not isinstance(value, bool):
-        raise TypeError(f"{what} must be True or False, not {type(value).__name__}.")
-    return value
 
 
 # -- keys -----------------------------------------------------------------------
@@ -300,12 +294,12 @@ class Semaphore:
         self.ttl = settings.ttl if ttl is DEFAULT else validate_ttl(ttl)
         self.timeout = settings.timeout if timeout is DEFAULT else validate_timeout(timeout)
         self.blocking = (
-            settings.blocking if blocking is DEFAULT else _validate_flag("blocking", blocking)
+            settings.blocking if blocking is DEFAULT else validate_flag("blocking", blocking)
         )
         if blocking is False and timeout is not DEFAULT and timeout is not None:
             raise ValueError("A timeout cannot be given for a non-blocking semaphore.")
         self.watchdog = (
-            settings.watchdog if watchdog is DEFAULT else _validate_flag("watchdog", watchdog)
+            settings.watchdog if watchdog is DEFAULT else validate_flag("watchdog", watchdog)
         )
         self.max_hold = settings.max_hold
         self.raise_on_lost = settings.raise_on_lost
@@ -335,14 +329,7 @@ class Semaphore:
     # -- acquisition ----------------------------------------------------------
 
     def _wait_params(self, blocking: bool, timeout: float | None) -> tuple[bool, float | None]:
-        if blocking is DEFAULT:
-            blocking = self.blocking
-        else:
-            blocking = _validate_flag("blocking", blocking)
-            if not blocking and timeout is not DEFAULT and timeout is not None:
-                raise ValueError("A timeout cannot be given for a non-blocking acquire.")
-        timeout = self.timeout if timeout is DEFAULT else validate_timeout(timeout)
-        return blocking, timeout
+        return wait_params(blocking, timeout, self.blocking, self.timeout)
 
     def _acquire_steps(
         self, token: str, owner: str, blocking: bool, deadline: float | None
