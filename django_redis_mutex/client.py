@@ -66,6 +66,16 @@ _namespaces: dict[str, str] = {}
 _derived_clients: dict[tuple[str, str, float | None], Any] = {}
 
 
+def server_ms(reply: Any) -> int:
+    """Return a TIME reply in ms (a cluster client answers per node: any node will do).
+
+    Send TIME on its own, never in a pipeline: a cluster client refuses it there.
+    """
+    if isinstance(reply, dict):
+        reply = next(iter(reply.values()))
+    return int(reply[0]) * 1000 + int(reply[1]) // 1000
+
+
 def backend_kind(backend: str) -> str | None:
     """Return "django_redis" or "django" for a Redis cache BACKEND (or a subclass), else None."""
     if backend == DJANGO_REDIS_BACKEND:

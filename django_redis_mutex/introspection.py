@@ -25,13 +25,13 @@ from typing import Any
 
 from redis.exceptions import ResponseError
 
-from .client import UNAVAILABLE, backend_errors, get_client, namespace
+from .client import UNAVAILABLE, backend_errors, get_client, namespace, server_ms
 from .conf import get_settings, validate_aliases
 from .driver import run_steps
 from .exceptions import LockBackendUnavailable
 from .handoff import release_steps, reset_steps
 from .holds import decode
-from .keys import LockKeys, lock_pattern, unescape_name, validate_name
+from .keys import LockKeys, SharedRecord, lock_pattern, unescape_name, validate_name
 from .owners import Owner, parse_owner
 
 __all__ = [
@@ -302,17 +302,14 @@ def _parse_shared(
     for field_name, value in record.items():
         if not field_name.startswith("r:"):
             continue
-        parts = value.split("|", 3)
-        if len(parts) != 4 or not all(part.isdigit() for part in parts[:3]):
-            continue
-        ends, fence, taken = (int(part) for part in parts[:3])
-        if ends <= now_ms:
-            continue  # its lease ended; the next script to look drops it
+        shared = SharedRecord.parse(value)
+        if shared is None or shared.ends <= now_ms:
+            continue  # not a record, or its lease ended (the next script to look drops it)
         holder = SharedHolder(
-            owner=parse_owner(parts[3]) or Owner(),
-            acquired_at=_at(taken),
-            time_left=(ends - now_ms) / 1000,
-            fence=fence,
+            owner=parse_owner(shared.owner) or Owner(),
+            acquired_at=_at(shared.taken),
+            time_left=(shared.ends - now_ms) / 1000,
+            fence=shared.fence,
         )
         holders.append((field_name[2:], holder))
     if not holders:
@@ -347,11 +344,7 @@ def _read(client: Any, alias: str) -> Iterator[tuple[str, str, HeldLock]]:
             pipe.zcard(keys.queue)
         replies = pipe.execute()
         # Shared leases are kept as server times: read the server's clock after them.
-        clock = client.time()
-        if isinstance(clock, dict):  # a cluster client asks one node per call; any will do
-            clock = next(iter(clock.values()))
-        seconds, micros = clock
-        now_ms = int(seconds) * 1000 + int(micros) // 1000
+        now_ms = server_ms(client.time())
         for index, key in enumerate(batch):
             i = 3 * index
             name = unescape_name(key[skip + 1 : -1])  # the hash tag is the escaped name

@@ -36,6 +36,7 @@ __all__ = [
     "MAX_LABEL_LENGTH",
     "MAX_NAME_LENGTH",
     "LockKeys",
+    "SharedRecord",
     "escape_name",
     "lock_pattern",
     "unescape_name",
@@ -164,3 +165,24 @@ class LockKeys:
     def name_of(self, namespace: str) -> str:
         """Return the lock name these keys belong to in ``namespace`` (read from the key)."""
         return unescape_name(self.lock[len(namespace) + 2 : -1])
+
+
+@dataclass(frozen=True)
+class SharedRecord:
+    """One shared holder's field in a lock hash: ``r:<token>`` = "<ends>|<fence>|<taken>|<owner>".
+
+    ``ends`` and ``taken`` are server times in ms; ``owner`` is the owner JSON.
+    """
+
+    ends: int
+    fence: int
+    taken: int
+    owner: str
+
+    @classmethod
+    def parse(cls, value: str) -> SharedRecord | None:
+        """Return the record ``value`` holds, or None if it is not one."""
+        parts = value.split("|", 3)
+        if len(parts) != 4 or not all(part.isdigit() for part in parts[:3]):
+            return None
+        return cls(int(parts[0]), int(parts[1]), int(parts[2]), parts[3])

@@ -30,7 +30,7 @@ from typing import Any, Literal, NamedTuple
 from redis import exceptions as redis_errors
 
 from . import scripts, signals
-from .client import backend_errors, get_async_client, get_client, namespace
+from .client import backend_errors, get_async_client, get_client, namespace, server_ms
 from .conf import MutexSettings, get_settings, validate_flag, validate_timeout, validate_ttl
 from .driver import (
     REDIS_TICK,
@@ -62,7 +62,7 @@ from .holds import (
     owner_metadata,
     scoped_hold,
 )
-from .keys import LockKeys, validate_label, validate_name
+from .keys import LockKeys, SharedRecord, validate_label, validate_name
 from .owners import Owner, parse_owner
 from .scripts import HANDOFF_LEASE, WAIT_LEASE, lease_ms
 from .watchdog import get_watchdog
@@ -1182,22 +1182,12 @@ def wait_params(
     return blocking, timeout
 
 
-def _server_ms(server_time: Any) -> int:
-    """Return a TIME reply in ms (a cluster client answers per node: any node will do).
-
-    TIME is sent on its own, never in a pipeline: a cluster client refuses it there.
-    """
-    if isinstance(server_time, dict):
-        server_time = next(iter(server_time.values()))
-    return int(server_time[0]) * 1000 + int(server_time[1]) // 1000
-
-
 def _shared_left(record: Any, server_time: Any) -> float:
     """Return the seconds left on a shared holder's record (0.0 if gone), by the server clock."""
-    if not record:
+    parsed = SharedRecord.parse(decode(record)) if record else None
+    if parsed is None:
         return 0.0
-    ends = int(decode(record).split("|", 1)[0])
-    return max(0, ends - _server_ms(server_time)) / 1000
+    return max(0, parsed.ends - server_ms(server_time)) / 1000
 
 
 def _held_shared(fields: dict[Any, Any]) -> bool:
@@ -1219,10 +1209,9 @@ def _holder_owner(fields: dict[Any, Any], server_time: Any) -> Owner | Literal["
         return parse_owner(record.get("owner")) or ""
     if not _held_shared(fields):
         return None
-    now_ms = _server_ms(server_time)
+    now_ms = server_ms(server_time)
     for key, value in sorted(record.items()):
-        parts = value.split("|", 3)
-        live = key.startswith("r:") and len(parts) == 4 and parts[0].isdigit()
-        if live and int(parts[0]) > now_ms:
-            return parse_owner(parts[3]) or ""
+        shared = SharedRecord.parse(value) if key.startswith("r:") else None
+        if shared is not None and shared.ends > now_ms:
+            return parse_owner(shared.owner) or ""
     return None

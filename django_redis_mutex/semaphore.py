@@ -43,7 +43,7 @@ from django.core.exceptions import ImproperlyConfigured
 from redis import exceptions as redis_errors
 
 from . import scripts
-from .client import backend_errors, get_client, namespace
+from .client import backend_errors, get_client, namespace, server_ms
 from .conf import get_settings, validate_flag, validate_timeout, validate_ttl
 from .decorators import EnteredHandles, MutexContext
 from .driver import REDIS_TICK, AsyncDriver, Pop, Script, Steps, run_in_child, run_steps
@@ -805,10 +805,7 @@ def held_semaphores(using: str = "default") -> list[HeldSemaphore]:
         found = []
         # Leases are scored by the server clock. One clock for the whole listing
         # (a cluster answers TIME from one node; its nodes' clocks agree closely).
-        clock = client.time()
-        if isinstance(clock, dict):
-            clock = next(iter(clock.values()))
-        now_ms = int(clock[0]) * 1000 + int(clock[1]) // 1000
+        now_ms = server_ms(client.time())
         for base in _semaphore_bases(client, ns):
             keys = SemaphoreKeys.for_base(base)
             pipe = client.pipeline(transaction=False)
