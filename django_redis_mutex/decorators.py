@@ -19,6 +19,7 @@ import threading
 from collections.abc import Callable, Sequence
 from typing import Any, Generic, Literal, TypeVar, cast
 
+from .atomic_requests import RequestTransactions
 from .conf import validate_flag, validate_timeout, validate_ttl
 from .exceptions import LockContended
 from .holds import current_owner
@@ -173,6 +174,7 @@ class MutexContext:
         if "label" in options:
             validate_label(options["label"])
         validate_flag("shared", options.get("shared", False))
+        validate_flag("release_at_block_end", options.get("release_at_block_end", False))
         if options.get("ttl", DEFAULT) is not DEFAULT:
             validate_ttl(options["ttl"])
         if options.get("timeout", DEFAULT) is not DEFAULT:
@@ -312,14 +314,19 @@ class MutexContext:
 
             return cast(F, _same_signature(async_inner, func))
 
+        # Called as a view under ATOMIC_REQUESTS, the request's transaction
+        # begins inside the lock and ends before it is given back.
+        transactions = RequestTransactions(func)
+
         @functools.wraps(func)
         def inner(*args: Any, **kwargs: Any) -> Any:
             name = self.name_for(func, args, kwargs)
             if not name:
                 return func(*args, **kwargs)
-            with Mutex(name, **options):
+            with Mutex(name, **options), transactions.opened(args):
                 return func(*args, **kwargs)
 
+        transactions.mark(inner)
         return cast(F, _same_signature(inner, func))
 
 
@@ -334,6 +341,7 @@ def mutex(
     reentrant: bool = True,
     label: str | None = None,
     shared: bool = False,
+    release_at_block_end: bool = False,
 ) -> MutexContext:
     """Guard a block or a function with the distributed lock ``name``.
 
@@ -347,6 +355,13 @@ def mutex(
     ``shared=True`` takes the lock shared (a read lock): any number of shared
     holders at once, none while an exclusive holder has it, and none newly
     admitted while an exclusive waiter is first in line.
+
+    Inside a database transaction (``transaction.atomic()``), a lock whose
+    block ends is kept until the outermost transaction commits or rolls back,
+    so the next holder sees what this one wrote; ``release_at_block_end=True``
+    gives it back when the block ends instead (see :doc:`transactions`). On a
+    view under ``ATOMIC_REQUESTS`` the lock is taken before the request's
+    transaction begins and given back after it ends.
     """
     return MutexContext(
         name,
@@ -358,6 +373,7 @@ def mutex(
         reentrant=reentrant,
         label=label,
         shared=shared,
+        release_at_block_end=release_at_block_end,
     )
 
 

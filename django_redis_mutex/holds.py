@@ -33,16 +33,20 @@ from typing import Any, ClassVar
 
 from . import scripts
 from .keys import LockKeys
+from .transactions import TransactionWait
 
 __all__ = [
     "Hold",
     "Scope",
+    "await_transaction",
+    "awaiting_hold",
     "close_scope",
     "current_owner",
     "decode",
     "open_scope",
     "owner_metadata",
     "scoped_hold",
+    "transaction_ended",
 ]
 
 
@@ -146,6 +150,9 @@ class Hold:
     # The waiter that was next in line when this hold was granted, if any: the
     # release declares its wake-up list, so it can wake it in the same script.
     successor: str | None = None
+    # Set while the hold's block has ended inside a database transaction: the
+    # lock is given back when that transaction ends (see transactions.py).
+    transaction_wait: TransactionWait | None = None
 
     def __post_init__(self) -> None:
         if not self.targets:
@@ -283,6 +290,38 @@ def scoped_hold(targets: tuple[tuple[str, str], ...]) -> Hold | None:
         if scope.open and hold.active and hold.targets == targets and scope.owner == owner:
             return hold
     return None
+
+
+# Per thread: the holds whose blocks ended inside a transaction still open in
+# this thread, by where they live. A later acquisition of the same lock in the
+# same transaction joins the hold instead of waiting for itself.
+_awaiting = threading.local()
+
+
+def await_transaction(hold: Hold) -> None:
+    """Let later acquisitions of this thread join ``hold`` until its transaction ends."""
+    holds = getattr(_awaiting, "holds", None)
+    if holds is None:
+        holds = _awaiting.holds = {}
+    holds[hold.targets] = hold
+
+
+def transaction_ended(hold: Hold) -> None:
+    """Stop offering ``hold`` to later acquisitions (its transaction ended)."""
+    holds = getattr(_awaiting, "holds", None)
+    if holds is not None and holds.get(hold.targets) is hold:
+        del holds[hold.targets]
+
+
+def awaiting_hold(targets: tuple[tuple[str, str], ...]) -> Hold | None:
+    """Return this thread's hold on ``targets`` that waits for its transaction, if any."""
+    holds = getattr(_awaiting, "holds", None)
+    if not holds:
+        return None
+    hold: Hold | None = holds.get(targets)
+    if hold is None or not hold.active or hold.lost or hold.transaction_wait is None:
+        return None
+    return hold
 
 
 def decode(value: Any) -> str:

@@ -55,16 +55,20 @@ from .handoff import handed_to, parse_wakeup, wake_steps
 from .holds import (
     Hold,
     Scope,
+    await_transaction,
+    awaiting_hold,
     close_scope,
     current_owner,
     decode,
     open_scope,
     owner_metadata,
     scoped_hold,
+    transaction_ended,
 )
 from .keys import LockKeys, SharedRecord, validate_label, validate_name
 from .owners import Owner, parse_owner
 from .scripts import HANDOFF_LEASE, WAIT_LEASE, lease_ms
+from .transactions import TransactionWait, open_transactions
 from .watchdog import get_watchdog
 
 __all__ = ["DEFAULT", "Mutex"]
@@ -143,6 +147,7 @@ class Mutex:
         reentrant: bool = True,
         label: str | None = None,
         shared: bool = False,
+        release_at_block_end: bool = False,
     ) -> None:
         self.name: str = validate_name(name)
         #: True for a shared (read) lock: any number of shared holders at once,
@@ -169,6 +174,11 @@ class Mutex:
             config.watchdog if watchdog is DEFAULT else validate_flag("watchdog", watchdog)
         )
         self.reentrant: bool = validate_flag("reentrant", reentrant)
+        #: True to give the lock back when its block ends even inside a database
+        #: transaction (by default it is kept until the transaction ends).
+        self.release_at_block_end: bool = validate_flag(
+            "release_at_block_end", release_at_block_end
+        )
         self.label = validate_label(label)
         self.keys = LockKeys.for_name(namespace(using), self.name)
         # One entry per level this handle holds; a nested level repeats its hold.
@@ -477,9 +487,13 @@ class Mutex:
         handle joins a hold only inside the ``with`` block (or decorated call)
         of the same owner that holds it.
         """
+        hold: Hold | None = awaiting_hold(self._targets())
+        if hold is not None:
+            # Our own block ended earlier in this still-open transaction: the
+            # lock is ours until it ends, reentrant or not.
+            return self._joinable(hold)
         if not self.reentrant:
             return None
-        hold: Hold | None = None
         if self._levels:
             owner = current_owner()
             with self._state:
@@ -488,6 +502,10 @@ class Mutex:
             hold = scoped_hold(self._targets())
         if hold is None or hold.lost or hold.releasing or not hold.active:
             return None
+        return self._joinable(hold)
+
+    def _joinable(self, hold: Hold) -> Hold:
+        """Return ``hold`` if this handle may join it: never exclusively into a shared hold."""
         if hold.shared and not self.shared:
             raise LockUpgradeRefused(
                 f"Cannot take lock {self.name!r} exclusively inside a shared hold of it by "
@@ -728,7 +746,7 @@ class Mutex:
             hold.depth -= 1
             return hold.depth > 0
 
-    def _finish(self, hold: Hold, released: bool) -> None:
+    def _finish(self, hold: Hold, released: bool, databases: tuple[str, ...] = ()) -> None:
         """Forget the hold after Redis answered the release (the watchdog had let go before)."""
         self._forget(hold, unwatched=True)
         held = time.monotonic() - hold.acquired_at
@@ -740,6 +758,7 @@ class Mutex:
                     fence=hold.fence,
                     held=held,
                     shared=hold.shared,
+                    databases=databases,
                 )
             return
         _declare_lost(hold, "it was no longer held by this owner at release")
@@ -761,7 +780,7 @@ class Mutex:
         self._release(self._held_or_raise("release"))
 
     def _release(self, hold: Hold) -> None:
-        if self._drop_level(hold):
+        if self._drop_level(hold) or self._kept_for_transaction(hold):
             return
         # Stop renewing first: a renewal answered after our release would
         # otherwise report the lock as lost.
@@ -774,12 +793,73 @@ class Mutex:
             raise
         self._finish(hold, released)
 
+    def _kept_for_transaction(self, hold: Hold) -> bool:
+        """Keep ``hold`` until this thread's open transactions end; return True if it is kept.
+
+        Given back now, the next holder could read the rows before our COMMIT
+        (or from a snapshot older than it) and overwrite them. The watchdog
+        keeps renewing the lease meanwhile; the transaction's end gives the lock
+        back (see transactions.py).
+        """
+        if self.release_at_block_end:
+            return False
+        connections = open_transactions()
+        if not connections:
+            return False
+        wait = hold.transaction_wait
+        if wait is None or wait.done:
+            wait = hold.transaction_wait = TransactionWait(
+                lambda: self._release_after_transaction(hold)
+            )
+            await_transaction(hold)
+        wait.add(connections)
+        if signals.lock_held_for_transaction.receivers:
+            signals.lock_held_for_transaction.send(
+                sender=self.using,
+                name=self.name,
+                fence=hold.fence,
+                databases=tuple(wait.aliases),
+                shared=hold.shared,
+            )
+        return True
+
+    def _release_after_transaction(self, hold: Hold) -> None:
+        """Give back a hold kept for a transaction that has just committed or rolled back."""
+        transaction_ended(hold)
+        wait, hold.transaction_wait = hold.transaction_wait, None
+        if hold.depth > 0 or not hold.active:
+            return  # taken again by its owner and still held, or already given back
+        get_watchdog().unwatch(hold)
+        databases = tuple(wait.aliases) if wait is not None else ()
+        try:
+            with backend_errors(self.name, self.using):
+                released = run_steps(self._release_steps(hold))
+        except LockBackendUnavailable as exc:
+            self._forget(hold, unwatched=True)
+            logger.error(
+                "Could not give back lock %r after its transaction ended (its lease ends it): %s",
+                self.name,
+                exc,
+            )
+            return
+        if not released:
+            self._forget(hold, unwatched=True)
+            _declare_lost(hold, "it was no longer held by this owner when its transaction ended")
+            logger.error(
+                "Lock %r (fence %s) was lost before its transaction ended: another owner may "
+                "have entered while the transaction was open.",
+                self.name,
+                hold.fence,
+            )
+            return
+        self._finish(hold, True, databases)
+
     async def arelease(self) -> None:
         """Async twin of :meth:`release`; a cancelled release can be retried too."""
         await self._arelease(self._held_or_raise("release"))
 
     async def _arelease(self, hold: Hold) -> None:
-        if self._drop_level(hold):
+        if self._drop_level(hold) or self._kept_for_transaction(hold):
             return
         get_watchdog().unwatch(hold)
         try:

@@ -5,7 +5,14 @@ Each is sent with ``sender`` set to the cache alias and these keyword arguments:
 ``lock_acquired``
     ``name``, ``fence``, ``wait`` (seconds spent waiting), ``shared``.
 ``lock_released``
-    ``name``, ``fence``, ``held`` (seconds the lock was held), ``shared``.
+    ``name``, ``fence``, ``held`` (seconds the lock was held), ``shared``,
+    ``databases``: the aliases of the databases whose transaction the lock was
+    kept for after its block ended (empty when it was given back at once).
+    Sent when the lock is really given back.
+``lock_held_for_transaction``
+    ``name``, ``fence``, ``databases``, ``shared``: the block of a lock ended
+    inside a database transaction, and the lock is kept until that transaction
+    commits or rolls back (see :doc:`transactions`).
 ``lock_contended``
     ``name``, ``wait`` (seconds waited before giving up), ``retry_after``, ``owner``,
     ``shared``.
@@ -43,6 +50,7 @@ from django.dispatch import Signal
 
 lock_acquired = Signal()
 lock_released = Signal()
+lock_held_for_transaction = Signal()
 lock_contended = Signal()
 lock_lost = Signal()
 lock_waiting = Signal()

@@ -19,6 +19,7 @@ from django.test import override_settings
 
 from django_redis_mutex.testing import RedisServer
 
+from .databases import MariaDBServer, PostgresServer
 from .helpers import run_worker
 
 
@@ -132,3 +133,37 @@ def hold_on_host(
     yield start
     if go_keys:
         raw.delete(*go_keys)  # the signal lists this fixture made, if a holder never read them
+
+
+@pytest.fixture(scope="session")
+def postgres_server() -> Iterator[PostgresServer]:
+    """A private PostgreSQL server for the session (fails, saying why, if there is none)."""
+    try:
+        server = PostgresServer()
+    except FileNotFoundError as exc:
+        pytest.fail(str(exc), pytrace=False)
+    with server:
+        yield server
+
+
+@pytest.fixture(scope="session")
+def mariadb_server() -> Iterator[MariaDBServer]:
+    """A private MariaDB server for the session (fails, saying why, if there is none)."""
+    try:
+        import MySQLdb  # noqa: F401  (mysqlclient, when installed)
+    except ImportError:
+        try:
+            import pymysql
+        except ImportError:
+            pytest.fail(
+                "The MariaDB tests need a driver: PyMySQL is in the dev dependency group "
+                "(uv sync), or install mysqlclient.",
+                pytrace=False,
+            )
+        pymysql.install_as_MySQLdb()  # Django's mysql backend imports MySQLdb
+    try:
+        server = MariaDBServer()
+    except FileNotFoundError as exc:
+        pytest.fail(str(exc), pytrace=False)
+    with server:
+        yield server

@@ -22,6 +22,7 @@ directory. MariaDB runs as root when started by root (``--user=root``).
 from __future__ import annotations
 
 import contextlib
+import copy
 import glob
 import os
 import pwd
@@ -31,12 +32,20 @@ import socket
 import subprocess
 import tempfile
 import time
+import uuid
 from types import TracebackType
 from typing import Any, TypeVar
 
 from django_redis_mutex.testing import free_port
 
-__all__ = ["MariaDBServer", "PostgresServer", "find_mariadb", "find_postgres_bindir"]
+__all__ = [
+    "MariaDBServer",
+    "PostgresServer",
+    "configured",
+    "create_database",
+    "find_mariadb",
+    "find_postgres_bindir",
+]
 
 #: Where Debian's postgresql packages put the server binaries, one dir per major version.
 POSTGRES_SEARCH = "/usr/lib/postgresql/*/bin"
@@ -421,3 +430,33 @@ class MariaDBServer(_Server):
             "PORT": str(self.port),
             "OPTIONS": {"charset": "utf8mb4", "connect_timeout": 10},
         }
+
+
+def configured(entry: dict[str, Any], alias: str) -> dict[str, Any]:
+    """Return ``entry`` with Django's defaults filled in (the handler insists on a default)."""
+    from django.db import connections
+
+    filled: dict[str, Any] = connections.configure_settings(
+        {"default": {}, alias: copy.deepcopy(entry)}
+    )[alias]
+    return filled
+
+
+def create_database(server: PostgresServer | MariaDBServer, admin_name: str) -> str:
+    """Create a database with a fresh name on ``server`` and return its name.
+
+    ``admin_name`` is a database to connect to for that (``postgres``, or
+    ``""`` on MariaDB). The new one is never dropped: the server and its whole
+    data directory go at the end of the session.
+    """
+    from django.db.utils import load_backend
+
+    entry = configured(server.django_settings(admin_name), "drm_admin")
+    admin = load_backend(entry["ENGINE"]).DatabaseWrapper(entry, "drm_admin")
+    name = f"drm_{uuid.uuid4().hex[:12]}"
+    try:
+        with admin.cursor() as cursor:
+            cursor.execute(f"CREATE DATABASE {admin.ops.quote_name(name)}")
+    finally:
+        admin.close()
+    return name

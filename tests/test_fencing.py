@@ -17,13 +17,11 @@ another process takes the lock and writes, then resumed to write late.
 
 from __future__ import annotations
 
-import copy
 import json
 import os
 import signal
 import threading
 import time
-import uuid
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -32,7 +30,6 @@ import pytest
 import redis
 from django.db import connections, models, transaction
 from django.db.models import Exists, F, OuterRef
-from django.db.utils import load_backend
 
 from django_redis_mutex import LockNotOwned, Mutex, StaleFence, fencing, mutex
 from tests.testapp.models import (
@@ -45,7 +42,7 @@ from tests.testapp.models import (
 )
 
 from . import databases
-from .databases import MariaDBServer, PostgresServer
+from .databases import MariaDBServer, PostgresServer, configured, create_database
 from .helpers import wait_until
 from .worker import Worker
 
@@ -78,65 +75,6 @@ class Database:
         return str(connections[self.alias].vendor)
 
 
-def _configured(entry: dict[str, Any], alias: str) -> dict[str, Any]:
-    """Return ``entry`` with Django's defaults filled in (the handler insists on a default)."""
-    configured: dict[str, Any] = connections.configure_settings(
-        {"default": {}, alias: copy.deepcopy(entry)}
-    )[alias]
-    return configured
-
-
-@pytest.fixture(scope="session")
-def postgres_server() -> Iterator[PostgresServer]:
-    """A private PostgreSQL server for the session (fails, saying why, if there is none)."""
-    try:
-        server = PostgresServer()
-    except FileNotFoundError as exc:
-        pytest.fail(str(exc), pytrace=False)
-    with server:
-        yield server
-
-
-@pytest.fixture(scope="session")
-def mariadb_server() -> Iterator[MariaDBServer]:
-    """A private MariaDB server for the session (fails, saying why, if there is none)."""
-    try:
-        import MySQLdb  # noqa: F401  (mysqlclient, when installed)
-    except ImportError:
-        try:
-            import pymysql
-        except ImportError:
-            pytest.fail(
-                "The MariaDB tests need a driver: PyMySQL is in the dev dependency group "
-                "(uv sync), or install mysqlclient.",
-                pytrace=False,
-            )
-        pymysql.install_as_MySQLdb()  # Django's mysql backend imports MySQLdb
-    try:
-        server = MariaDBServer()
-    except FileNotFoundError as exc:
-        pytest.fail(str(exc), pytrace=False)
-    with server:
-        yield server
-
-
-def _create_database(server: PostgresServer | MariaDBServer, admin_name: str) -> str:
-    """Create a database with a fresh name on ``server`` and return its name.
-
-    It is never dropped: the server and its whole data directory go at the
-    end of the session.
-    """
-    entry = _configured(server.django_settings(admin_name), "fence_admin")
-    admin = load_backend(entry["ENGINE"]).DatabaseWrapper(entry, "fence_admin")
-    name = f"drm_fencing_{uuid.uuid4().hex[:12]}"
-    try:
-        with admin.cursor() as cursor:
-            cursor.execute(f"CREATE DATABASE {admin.ops.quote_name(name)}")
-    finally:
-        admin.close()
-    return name
-
-
 @pytest.fixture(scope="module", params=DATABASES)
 def database(
     request: pytest.FixtureRequest,
@@ -157,11 +95,11 @@ def database(
             }
         elif request.param == "postgresql":
             server: PostgresServer | MariaDBServer = request.getfixturevalue("postgres_server")
-            entry = server.django_settings(_create_database(server, "postgres"))
+            entry = server.django_settings(create_database(server, "postgres"))
         else:
             server = request.getfixturevalue("mariadb_server")
-            entry = server.django_settings(_create_database(server, ""))
-        connections.settings[alias] = _configured(entry, alias)
+            entry = server.django_settings(create_database(server, ""))
+        connections.settings[alias] = configured(entry, alias)
         try:
             with connections[alias].schema_editor() as editor:
                 for model in MODELS:

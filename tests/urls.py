@@ -13,6 +13,9 @@ urlpatterns = [
     path("decorated-items/<int:pk>/", views.DecoratedItemView.as_view()),
     path("async-items/<int:pk>/", views.AsyncItemView.as_view()),
     path("counters/<int:pk>/bump/", views.bump),
+    path("rows/<str:alias>/<int:pk>/bump/", views.bump_row),
+    path("rows/<str:alias>/<int:pk>/bump-class/", views.BumpRowView.as_view()),
+    path("rows/<str:alias>/<int:pk>/bump-early/", views.bump_row_releasing_early),
     path("busy/", views.busy),
     path("busy/read/", views.read_busy),
     # Any characters at all, newlines and slashes included (<path:> stops at a newline).

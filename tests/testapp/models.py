@@ -1,3 +1,5 @@
+import time
+
 from django.db import models
 
 from django_redis_mutex import mutex
@@ -14,8 +16,18 @@ class Counter(models.Model):
         return self.name
 
     @mutex("counter:{self.pk}")
-    def bump(self) -> int:
+    def bump(self, pause: float = 0.0) -> int:
         self.refresh_from_db()
+        time.sleep(pause)  # widens the window between the read and the write
+        self.value += 1
+        self.save(update_fields=["value"])
+        return self.value
+
+    @mutex("counter:{self.pk}", release_at_block_end=True)
+    def bump_releasing_at_block_end(self, pause: float = 0.0) -> int:
+        """``bump`` with the lock given back when the method returns, in a transaction or not."""
+        self.refresh_from_db()
+        time.sleep(pause)
         self.value += 1
         self.save(update_fields=["value"])
         return self.value

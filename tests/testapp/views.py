@@ -6,7 +6,10 @@ test can see that the right lock (with its name filled from the URL) was held.
 
 from __future__ import annotations
 
+import time
+
 from asgiref.sync import sync_to_async
+from django.db import transaction
 from django.http import HttpRequest, JsonResponse
 from django.utils.decorators import method_decorator
 from django.views import View
@@ -108,3 +111,47 @@ ERRORS: dict[str, Exception] = {
 
 def fail(request: HttpRequest, kind: str) -> JsonResponse:
     raise ERRORS[kind]
+
+
+def _bump_row(alias: str, pk: int, pause: float) -> int:
+    """Read-modify-write one Counter row on database ``alias``, pausing in between."""
+    value = Counter.objects.using(alias).values_list("value", flat=True).get(pk=pk)
+    time.sleep(pause)
+    Counter.objects.using(alias).filter(pk=pk).update(value=value + 1)
+    return value + 1
+
+
+def _bump_and_answer(request: HttpRequest, alias: str, pk: int) -> JsonResponse:
+    """Bump the row, then do more work (rendering, say) before the view returns."""
+    pause = float(request.GET.get("pause", 0))
+    value = _bump_row(alias, pk, pause)
+    time.sleep(pause)
+    return JsonResponse({"value": value})
+
+
+@mutex("rows:{alias}:{pk}")
+def bump_row(request: HttpRequest, alias: str, pk: int) -> JsonResponse:
+    """The README's view shape: a read-modify-write under the lock (ATOMIC_REQUESTS on)."""
+    return _bump_and_answer(request, alias, pk)
+
+
+@method_decorator(mutex("rows:{alias}:{pk}"), name="dispatch")
+class BumpRowView(View):
+    """``bump_row`` as a class-based view, locked on dispatch."""
+
+    def post(self, request: HttpRequest, alias: str, pk: int) -> JsonResponse:
+        return _bump_and_answer(request, alias, pk)
+
+
+@mutex("rows:{alias}:{pk}", release_at_block_end=True)
+def _bump_row_releasing_early(alias: str, pk: int, pause: float) -> int:
+    return _bump_row(alias, pk, pause)
+
+
+def bump_row_releasing_early(request: HttpRequest, alias: str, pk: int) -> JsonResponse:
+    """What a locked view did under ATOMIC_REQUESTS before: the lock inside, given back first."""
+    pause = float(request.GET.get("pause", 0))
+    with transaction.atomic(using=alias):
+        value = _bump_row_releasing_early(alias, pk, pause)
+        time.sleep(pause)  # the rest of the view, inside the request's transaction
+    return JsonResponse({"value": value})

@@ -1,0 +1,156 @@
+"""Keep a lock until the database transaction around its block has ended.
+
+A lock given back when its block ends, while the thread is still inside
+``transaction.atomic()``, lets the next holder read the rows before this
+holder's COMMIT (or, on REPEATABLE READ, from a snapshot taken before it) and
+overwrite them: exclusion of code, not of data. So a lock released inside an
+open transaction stays held (the watchdog keeps renewing it) until the
+outermost transaction of every database connection of this thread that has one
+open has committed or rolled back, as PostgreSQL's ``pg_advisory_xact_lock``
+does.
+
+Django calls back on commit (``on_commit``) but has no rollback hook. A
+rollback, though, discards the commit callbacks registered inside it: the
+outermost one empties the connection's list, a savepoint's drops the entries
+registered inside that savepoint, and closing the connection empties it too.
+The callback registered here is referenced by that list alone, so CPython frees
+it the moment Django drops it, and its ``weakref.finalize`` runs right there,
+inside the rollback: the lock is given back within the same call, without
+waiting for the lease. A callback dropped by a savepoint rollback while the
+outer transaction goes on is registered again at the outer level.
+
+The transactions of Django's ``TestCase`` (``pytest.mark.django_db`` without
+``transaction=True``) are never committed, and nothing done inside them is seen
+by another connection: they do not count, as they do not for
+``atomic(durable=True)``.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import weakref
+from collections.abc import Callable
+from typing import Any
+
+__all__ = ["TransactionWait", "open_transactions"]
+
+logger = logging.getLogger("django_redis_mutex")
+
+
+def open_transactions() -> list[Any]:
+    """Return this thread's database connections inside a transaction a lock must wait for.
+
+    Only connections already opened are looked at (none is created), and a
+    connection whose outermost atomic block is a ``TestCase``'s is left out.
+    """
+    from django.db import connections
+
+    found: list[Any] = []
+    for connection in connections.all(initialized_only=True):
+        if not connection.in_atomic_block:
+            continue
+        blocks = connection.atomic_blocks
+        if blocks and getattr(blocks[0], "_from_testcase", False):
+            continue
+        found.append(connection)
+    return found
+
+
+class TransactionWait:
+    """Run ``give_back`` once, when every listed connection's open transaction has ended.
+
+    Created inside the transactions, in the thread that owns the connections;
+    ``give_back`` runs in that thread too, right after the COMMIT or inside the
+    ROLLBACK (or when the connection is closed or its thread ends).
+    """
+
+    def __init__(self, give_back: Callable[[], None]) -> None:
+        self._give_back = give_back
+        self._waiting: set[int] = set()
+        self._lock = threading.Lock()
+        self._done = False
+        #: The aliases of the databases waited for, for listings and log lines.
+        self.aliases: list[str] = []
+
+    @property
+    def done(self) -> bool:
+        """True once the lock was handed back to ``give_back``."""
+        return self._done
+
+    def add(self, connections: list[Any]) -> None:
+        """Also wait for the transactions now open on ``connections``."""
+        for connection in connections:
+            if id(connection) in self._waiting:
+                continue
+            self._waiting.add(id(connection))
+            if connection.alias not in self.aliases:
+                self.aliases.append(connection.alias)
+            self._register(connection)
+
+    def _register(self, connection: Any) -> None:
+        hook = _CommitHook(self, id(connection))
+        # Only the connection's list of commit callbacks refers to the hook:
+        # when Django drops it (rollback, savepoint rollback, close), the
+        # finalizer runs at once. It must not keep the connection alive.
+        weakref.finalize(
+            hook,
+            _dropped,
+            self,
+            hook.key,
+            hook.ran,
+            weakref.ref(connection),
+            list(connection.savepoint_ids),
+        )
+        connection.on_commit(hook)
+
+    def _ended(self, key: int) -> None:
+        with self._lock:
+            self._waiting.discard(key)
+            if self._waiting or self._done:
+                return
+            self._done = True
+        try:
+            self._give_back()
+        except Exception:  # never into Django's commit or rollback
+            logger.exception("Could not give back a lock after its transaction ended.")
+
+
+class _CommitHook:
+    """The commit callback of one connection; its finalizer notices a rollback."""
+
+    __slots__ = ("__weakref__", "key", "ran", "wait")
+
+    def __init__(self, wait: TransactionWait, key: int) -> None:
+        self.wait = wait
+        self.key = key
+        # A one-item list, shared with the finalizer, which must not refer to the hook.
+        self.ran = [False]
+
+    def __call__(self) -> None:
+        self.ran[0] = True
+        self.wait._ended(self.key)
+
+
+def _dropped(
+    wait: TransactionWait, key: int, ran: list[bool], connection_ref: Any, savepoints: list[Any]
+) -> None:
+    """Run when Django let go of a commit hook: after running it, or unrun (a rollback)."""
+    if ran[0]:
+        return
+    connection = connection_ref()  # None: the connection is gone with its thread
+    # Still inside a transaction: either a savepoint we were registered in was
+    # rolled back (it has been popped already, so fewer are open than at
+    # registration) and the outer transaction goes on, or the connection is
+    # being closed (nothing popped), which ends the transaction.
+    if (
+        connection is not None
+        and connection.in_atomic_block
+        and len(connection.savepoint_ids) < len(savepoints)
+    ):
+        try:
+            wait._register(connection)
+            return
+        except Exception:
+            logger.exception("Could not wait for the outer transaction; giving the lock back.")
+    wait._ended(key)
