@@ -117,7 +117,8 @@ def test_lock_released_is_sent_with_name_fence_and_time_held(receive: Any) -> No
     elapsed = time.monotonic() - before
     [call] = released
     assert call["sender"] == "default"
-    assert set(call["kwargs"]) == {"name", "fence", "held", "shared"}
+    assert set(call["kwargs"]) == {"name", "fence", "held", "shared", "databases"}
+    assert call["kwargs"]["databases"] == ()
     assert call["kwargs"]["name"] == "inventory"
     assert call["kwargs"]["fence"] == fence
     assert 0 <= call["kwargs"]["held"] <= elapsed
