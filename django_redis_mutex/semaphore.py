@@ -43,6 +43,7 @@ from django.core.exceptions import ImproperlyConfigured
 from redis import exceptions as redis_errors
 
 from . import scripts
+from .atomic_requests import RequestTransactions
 from .client import backend_errors, get_client, namespace, server_ms
 from .conf import get_settings, validate_flag, validate_timeout, validate_ttl
 from .decorators import EnteredHandles, MutexContext
@@ -61,6 +62,7 @@ from .semaphore_scripts import (
     SEM_RESET,
     SEM_WAKE,
 )
+from .transactions import TransactionWait, open_transactions
 from .watchdog import announce_lost, get_watchdog
 
 __all__ = [
@@ -271,9 +273,13 @@ class Semaphore:
         blocking: bool = DEFAULT,
         watchdog: bool = DEFAULT,
         label: str | None = None,
+        release_at_block_end: bool = False,
     ) -> None:
         self.name = validate_name(name)
         self.limit = validate_limit(limit)
+        #: True to give the permit back when its block ends even inside a
+        #: database transaction (by default it is kept until the transaction ends).
+        self.release_at_block_end = validate_flag("release_at_block_end", release_at_block_end)
         if not isinstance(using, str):
             raise TypeError(
                 f"A semaphore lives on one cache alias: using must be a string, "
@@ -506,9 +512,59 @@ class Semaphore:
                 name=self.name,
             )
 
+    def _kept_for_transaction(self) -> bool:
+        """Keep the permit until this thread's open transactions end; return True if kept.
+
+        As a lock's hold (see transactions.py): given back now, the next holder
+        could read rows this one has not committed yet. The handle lets go of
+        it; the watchdog keeps renewing it until the transaction's end gives it
+        back.
+        """
+        if self.release_at_block_end:
+            return False
+        connections = open_transactions()
+        if not connections:
+            return False
+        with self._state:
+            permit, self._permit = self._permit, None
+        if permit is None:
+            raise self._not_held()
+        TransactionWait(lambda: self._release_after_transaction(permit)).add(connections)
+        return True
+
+    def _release_after_transaction(self, permit: _Permit) -> None:
+        """Give back a permit kept for a transaction that has just committed or rolled back."""
+        get_watchdog().unwatch(permit)
+        try:
+            with backend_errors(self.name, self.using):
+                held = run_steps(self._release_steps(permit))
+        except LockBackendUnavailable as exc:
+            permit.active = False
+            logger.error(
+                "Could not give back a permit of semaphore %r after its transaction ended "
+                "(its lease ends it): %s",
+                self.name,
+                exc,
+            )
+            return
+        permit.active = False
+        if not held:
+            announce_lost(permit, "it was no longer held when its transaction ended")
+            logger.error(
+                "A permit of semaphore %r ended before its transaction did: another holder "
+                "may have entered while the transaction was open.",
+                self.name,
+            )
+
     def release(self) -> None:
         """Give the permit back. Raise LockNotOwned if this handle holds none, LockLost if
-        its lease had already ended."""
+        its lease had already ended.
+
+        Inside a database transaction the permit is kept until the transaction
+        ends, unless the handle was made with ``release_at_block_end=True``.
+        """
+        if self._kept_for_transaction():
+            return
         permit = self._taken_permit()
         with backend_errors(self.name, self.using):
             held = run_steps(self._release_steps(permit))
@@ -516,6 +572,8 @@ class Semaphore:
 
     async def arelease(self) -> None:
         """Async twin of :meth:`release`."""
+        if self._kept_for_transaction():
+            return
         permit = self._taken_permit()
         with backend_errors(self.name, self.using):
             held = await AsyncDriver().run(self._release_steps(permit))
@@ -655,6 +713,7 @@ class SemaphoreContext:
         self._limit = validate_limit(limit)
         if options.get("label") is not None:
             validate_label(options["label"])
+        validate_flag("release_at_block_end", options.get("release_at_block_end", False))
         if options.get("ttl", DEFAULT) is not DEFAULT:
             validate_ttl(options["ttl"])
         if options.get("timeout", DEFAULT) is not DEFAULT:
@@ -711,14 +770,18 @@ class SemaphoreContext:
 
             return cast(F, async_inner)
 
+        # As mutex(): a view under ATOMIC_REQUESTS opens its transaction inside.
+        transactions = RequestTransactions(func)
+
         @wraps(func)
         def inner(*args: Any, **kwargs: Any) -> Any:
             name = self._names.name_for(func, args, kwargs)
             if not name:
                 return func(*args, **kwargs)  # a call the function itself refuses
-            with self._handle(name):
+            with self._handle(name), transactions.opened(args):
                 return func(*args, **kwargs)
 
+        transactions.mark(inner)
         return cast(F, inner)
 
 
@@ -732,6 +795,7 @@ def semaphore(
     blocking: bool = DEFAULT,
     watchdog: bool = DEFAULT,
     label: str | None = None,
+    release_at_block_end: bool = False,
 ) -> SemaphoreContext:
     """Let at most ``limit`` holders of ``name`` run a block or a function at once.
 
@@ -739,7 +803,9 @@ def semaphore(
     ``@semaphore("tenant:{tenant_id}", 2)`` on a sync or async function. Raise
     LockContended when no permit comes free in time, LockLost when the permit
     ended while a successful body ran, LockBackendUnavailable when Redis
-    cannot be reached.
+    cannot be reached. Inside a database transaction a permit is kept until
+    the transaction ends, unless ``release_at_block_end=True`` (see
+    :doc:`transactions`).
     """
     return SemaphoreContext(
         name,
@@ -750,6 +816,7 @@ def semaphore(
         blocking=blocking,
         watchdog=watchdog,
         label=label,
+        release_at_block_end=release_at_block_end,
     )
 
 

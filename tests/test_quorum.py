@@ -10,6 +10,7 @@ from collections.abc import Iterator
 
 import pytest
 from django.conf import settings
+from django.db import transaction
 from django.test import override_settings
 
 from django_redis_mutex import (
@@ -175,3 +176,28 @@ def test_bad_alias_lists_are_rejected(quorum_caches):
         Mutex("x", using=["r1", "r1"])
     with pytest.raises(TypeError, match="aliases"):
         Mutex("x", using=["r1", 3])
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_quorum_lock_inside_a_transaction_is_kept_until_it_ends(
+    quorum_caches: list[RedisServer],
+) -> None:
+    def free_for_others() -> bool:
+        answer: list[bool] = []
+
+        def other() -> None:
+            lock = Mutex("inventory", using="locks", blocking=False)
+            answer.append(lock.acquire())
+            if answer[-1]:
+                lock.release()
+
+        thread = threading.Thread(target=other)
+        thread.start()
+        thread.join(10)
+        return answer == [True]
+
+    with transaction.atomic():
+        with Mutex("inventory", using="locks"):
+            pass
+        assert not free_for_others(), "the quorum lock went back before the COMMIT"
+    assert free_for_others()

@@ -24,7 +24,7 @@ import pytest
 from django.db import connections, transaction
 from django.test import Client
 
-from django_redis_mutex import Mutex, mutex, signals
+from django_redis_mutex import Mutex, Semaphore, mutex, semaphore, signals
 from tests.testapp.models import Counter
 
 from .databases import MariaDBServer, PostgresServer, configured, create_database
@@ -393,6 +393,56 @@ def test_taking_the_lock_again_in_the_same_transaction_joins_the_kept_hold(
             assert again.fence == fence
         assert not _free_for_others(name)
     assert _free_for_others(name)
+
+
+def _permit_free_for_others(name: str) -> bool:
+    answer: list[bool] = []
+
+    def other() -> None:
+        permit = Semaphore(name, 1, blocking=False)
+        answer.append(permit.acquire())
+        if answer[-1]:
+            permit.release()
+
+    thread = threading.Thread(target=other)
+    thread.start()
+    thread.join(STEP_TIMEOUT)
+    return answer == [True]
+
+
+def test_a_semaphore_permit_inside_a_transaction_is_kept_until_it_ends(
+    alias: str, row: int, django_db_blocker: Any
+) -> None:
+    name = f"permits:{alias}:{row}"
+    with django_db_blocker.unblock():
+        with transaction.atomic(using=alias):
+            with semaphore(name, 1):
+                Counter.objects.using(alias).filter(pk=row).update(value=5)
+            assert not _permit_free_for_others(name), "the permit went back before the COMMIT"
+        assert _permit_free_for_others(name)
+        with pytest.raises(Boom), transaction.atomic(using=alias):
+            with semaphore(name, 1):
+                pass
+            raise Boom
+        assert _permit_free_for_others(name), "the permit stayed taken after the ROLLBACK"
+        with transaction.atomic(using=alias):
+            with semaphore(name, 1, release_at_block_end=True):
+                pass
+            assert _permit_free_for_others(name)
+
+
+def test_a_shared_hold_inside_a_transaction_keeps_writers_out_until_it_ends(
+    alias: str, row: int, django_db_blocker: Any
+) -> None:
+    name = f"rows:{alias}:{row}"
+    with django_db_blocker.unblock():
+        with transaction.atomic(using=alias):
+            with mutex(name, shared=True):
+                assert value_of(alias, row) == 0
+            assert not _free_for_others(name), "a writer got in before the reader's COMMIT"
+            with mutex(name, shared=True, timeout=2):
+                pass  # the reader reads again in its transaction: no self-deadlock
+        assert _free_for_others(name)
 
 
 def test_release_at_block_end_gives_the_lock_back_inside_the_transaction(
