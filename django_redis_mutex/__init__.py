@@ -26,6 +26,7 @@ from .semaphore import (
     reset_semaphore,
     semaphore,
 )
+from .transactions import LockAfterReadWarning
 
 __version__ = "0.1.0"
 
@@ -33,6 +34,7 @@ __all__ = [
     "DEFAULT",
     "HeldLock",
     "HeldSemaphore",
+    "LockAfterReadWarning",
     "LockBackendUnavailable",
     "LockContended",
     "LockError",

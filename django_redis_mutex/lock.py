@@ -68,7 +68,7 @@ from .holds import (
 from .keys import LockKeys, SharedRecord, validate_label, validate_name
 from .owners import Owner, parse_owner
 from .scripts import HANDOFF_LEASE, WAIT_LEASE, lease_ms
-from .transactions import TransactionWait, open_transactions
+from .transactions import TransactionWait, open_transactions, warn_if_read_before
 from .watchdog import get_watchdog
 
 __all__ = ["DEFAULT", "Mutex"]
@@ -812,6 +812,7 @@ class Mutex:
                 lambda: self._release_after_transaction(hold)
             )
             await_transaction(hold)
+            warn_if_read_before(self.name, connections, hold.acquired_at)
         wait.add(connections)
         if signals.lock_held_for_transaction.receivers:
             signals.lock_held_for_transaction.send(

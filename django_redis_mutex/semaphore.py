@@ -62,7 +62,7 @@ from .semaphore_scripts import (
     SEM_RESET,
     SEM_WAKE,
 )
-from .transactions import TransactionWait, open_transactions
+from .transactions import TransactionWait, open_transactions, warn_if_read_before
 from .watchdog import announce_lost, get_watchdog
 
 __all__ = [
@@ -529,6 +529,7 @@ class Semaphore:
             permit, self._permit = self._permit, None
         if permit is None:
             raise self._not_held()
+        warn_if_read_before(self.name, connections, permit.acquired_at)
         TransactionWait(lambda: self._release_after_transaction(permit)).add(connections)
         return True
 

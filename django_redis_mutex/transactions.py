@@ -29,11 +29,19 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
+import warnings
 import weakref
 from collections.abc import Callable
 from typing import Any
 
-__all__ = ["TransactionWait", "open_transactions"]
+__all__ = [
+    "LockAfterReadWarning",
+    "TransactionWait",
+    "note_queries",
+    "open_transactions",
+    "warn_if_read_before",
+]
 
 logger = logging.getLogger("django_redis_mutex")
 
@@ -55,6 +63,68 @@ def open_transactions() -> list[Any]:
             continue
         found.append(connection)
     return found
+
+
+class LockAfterReadWarning(RuntimeWarning):
+    """A lock was taken inside a transaction that had already read from the database.
+
+    The lock cannot protect what the transaction read before it: those rows
+    may have been changed since by the lock's previous holder, and on
+    REPEATABLE READ (MySQL's and MariaDB's default) even the reads after the
+    lock see the snapshot taken at the first read. Take the lock before the
+    transaction begins. Silence it with
+    ``warnings.filterwarnings("ignore", category=LockAfterReadWarning)``.
+    """
+
+
+# Statements Django itself sends inside atomic blocks: they read no rows.
+_TRANSACTION_CONTROL = ("SAVEPOINT", "RELEASE SAVEPOINT", "ROLLBACK TO SAVEPOINT", "BEGIN")
+
+
+def _mark_reads(
+    execute: Callable[..., Any], sql: Any, params: Any, many: bool, context: dict[str, Any]
+) -> Any:
+    """An execute wrapper: note when a transaction ran its first query."""
+    connection = context["connection"]
+    if connection.in_atomic_block and connection.atomic_blocks:
+        outermost = connection.atomic_blocks[0]
+        noted = getattr(connection, "_mutex_first_query", None)
+        if (noted is None or noted[0] is not outermost) and not (
+            isinstance(sql, str) and sql.lstrip().upper().startswith(_TRANSACTION_CONTROL)
+        ):
+            connection._mutex_first_query = (outermost, time.monotonic())
+    return execute(sql, params, many, context)
+
+
+def note_queries(sender: Any, connection: Any, **kwargs: Any) -> None:
+    """On ``connection_created``: note when each transaction on ``connection`` first queries.
+
+    Put first in the connection's execute wrappers, so a wrapper that a
+    ``with connection.execute_wrapper(...)`` block pushes is still the last
+    one, which the block's exit pops.
+    """
+    if _mark_reads not in connection.execute_wrappers:
+        connection.execute_wrappers.insert(0, _mark_reads)
+
+
+def warn_if_read_before(name: str, connections: list[Any], acquired_at: float) -> None:
+    """Warn when one of ``connections``' transactions had queried before the lock was taken."""
+    for connection in connections:
+        noted = getattr(connection, "_mutex_first_query", None)
+        if noted is None or not connection.atomic_blocks:
+            continue
+        block, first = noted
+        if block is connection.atomic_blocks[0] and first < acquired_at:
+            warnings.warn(
+                f"Lock {name!r} was taken inside a transaction on database "
+                f"{connection.alias!r} that had already queried it: the lock does not "
+                "protect what was read before it (and on REPEATABLE READ, later reads see "
+                "the older snapshot). Take the lock before the transaction begins "
+                "(see the Transactions page of the docs).",
+                LockAfterReadWarning,
+                stacklevel=5,
+            )
+            return
 
 
 class TransactionWait:

@@ -16,6 +16,7 @@ import json
 import signal
 import threading
 import uuid
+import warnings
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -24,7 +25,7 @@ import pytest
 from django.db import connections, transaction
 from django.test import Client
 
-from django_redis_mutex import Mutex, Semaphore, mutex, semaphore, signals
+from django_redis_mutex import LockAfterReadWarning, Mutex, Semaphore, mutex, semaphore, signals
 from tests.testapp.models import Counter
 
 from .databases import MariaDBServer, PostgresServer, configured, create_database
@@ -357,12 +358,12 @@ def test_a_rolled_back_savepoint_keeps_the_lock_while_the_outer_transaction_goes
     name = f"rows:{alias}:{row}"
     with django_db_blocker.unblock():
         with transaction.atomic(using=alias):
-            Counter.objects.using(alias).filter(pk=row).update(value=1)
             with pytest.raises(Boom), transaction.atomic(using=alias):
                 with mutex(name, ttl=30):
                     Counter.objects.using(alias).filter(pk=row).update(value=2)
                 raise Boom
             assert not _free_for_others(name), "given back by the savepoint's rollback"
+            Counter.objects.using(alias).filter(pk=row).update(value=1)
             with transaction.atomic(using=alias), mutex(name, ttl=30, timeout=2):
                 pass  # the same thread takes it again in its transaction: no self-deadlock
             assert not _free_for_others(name)
@@ -443,6 +444,39 @@ def test_a_shared_hold_inside_a_transaction_keeps_writers_out_until_it_ends(
             with mutex(name, shared=True, timeout=2):
                 pass  # the reader reads again in its transaction: no self-deadlock
         assert _free_for_others(name)
+
+
+def test_a_lock_taken_after_the_transaction_read_warns_with_the_fix(
+    alias: str, row: int, django_db_blocker: Any
+) -> None:
+    name = f"rows:{alias}:{row}"
+    with django_db_blocker.unblock():
+        warned = pytest.warns(LockAfterReadWarning, match="Take the lock before the transaction")
+        with warned, transaction.atomic(using=alias):
+            value_of(alias, row)
+            with mutex(name):
+                pass
+        with pytest.warns(LockAfterReadWarning, match=repr(alias)), transaction.atomic(alias):
+            value_of(alias, row)
+            with semaphore(name, 2):
+                pass
+
+
+def test_a_lock_taken_first_in_its_transaction_does_not_warn(
+    alias: str, row: int, django_db_blocker: Any
+) -> None:
+    name = f"rows:{alias}:{row}"
+    with django_db_blocker.unblock(), warnings.catch_warnings():
+        warnings.simplefilter("error", LockAfterReadWarning)
+        value_of(alias, row)  # outside any transaction: nothing to protect
+        # Savepoints of nested blocks read nothing.
+        with transaction.atomic(using=alias), transaction.atomic(using=alias):
+            with mutex(name):
+                value_of(alias, row)
+            with mutex(name):  # taken again after reading under it: still ours
+                pass
+        with transaction.atomic(using=alias), semaphore(name, 2):
+            value_of(alias, row)
 
 
 def test_release_at_block_end_gives_the_lock_back_inside_the_transaction(
