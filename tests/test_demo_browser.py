@@ -138,6 +138,53 @@ def test_second_tab_gets_503_while_the_inventory_lock_is_held(
     assert_no_traceback(demo.output())
 
 
+def _stock_of(page: Any, product: str) -> int:
+    page.goto(page.url.split("?")[0])
+    return int(page.locator("tr", has_text=product).locator("td").nth(1).inner_text())
+
+
+def test_concurrent_reserve_clicks_never_oversell(
+    demo: Demo, browser: Any, playwright_api: Any
+) -> None:
+    """Tabs of several visitors click Reserve on the same product at once (ATOMIC_REQUESTS on).
+
+    Every accepted reservation took one unit and no unit went twice: the
+    stock falls by exactly the number of "Reserved one" answers and never
+    below zero. Without the lock kept until each request's COMMIT, two
+    requests would read the same stock and one reservation would be lost.
+    """
+    contexts = [browser.new_context(viewport=VIEWPORT) for _ in range(7)]
+    try:
+        pages = [context.new_page() for context in contexts]
+        for page in pages:
+            page.goto(demo.url + "/")
+        before = _stock_of(pages[0], "Grinder")
+        # Clicked without waiting, so every tab's request is in flight at once.
+        for page in pages:
+            page.locator("tr", has_text="Grinder").locator("button").evaluate(
+                "button => button.click()"
+            )
+        answers = []
+        for page in pages:
+            page.wait_for_load_state()
+            wait_for(
+                lambda page=page: "/reserve/" not in page.url or page.locator("h1").count(),
+                60,
+                "the reservation's answer",
+                0.2,
+            )
+            answers.append(page.locator("body").inner_text())
+        reserved = sum("Reserved one Grinder" in answer for answer in answers)
+        after = _stock_of(pages[0], "Grinder")
+        assert after >= 0
+        assert before - after == reserved, answers
+        assert reserved >= 1, answers
+    finally:
+        for context in contexts:
+            context.close()
+    assert_no_traceback(demo.output())
+
+
 def test_locks_command_in_a_second_terminal_finds_the_demo_redis(demo: Demo) -> None:
     assert (demo.data_dir / "redis-url").read_text().strip() == demo.redis_url
     locks = wait_for(

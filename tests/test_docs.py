@@ -14,6 +14,7 @@ import re
 import textwrap
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -76,7 +77,7 @@ def python_blocks(document: Path) -> list[Block]:
 
 
 @pytest.mark.parametrize("document", DOCUMENTS, ids=lambda path: path.name)
-def test_every_python_example_of_a_document_runs(document: Path) -> None:
+def test_every_python_example_of_a_document_runs(document: Path, django_db_blocker: Any) -> None:
     namespace: dict[str, object] = {"__name__": f"docs_{document.stem}"}
     ran = 0
     for block in python_blocks(document):
@@ -84,7 +85,9 @@ def test_every_python_example_of_a_document_runs(document: Path) -> None:
         if block.fragment:
             continue
         try:
-            exec(compiled, namespace)
+            # Examples may open transactions (on the suite's in-memory database).
+            with django_db_blocker.unblock():
+                exec(compiled, namespace)
         except Exception as exc:
             pytest.fail(f"the example at {block.where} raised {exc!r}")
         ran += 1

@@ -24,7 +24,7 @@ class Product(models.Model):
         A deliberately slow read-modify-write: without the lock, two requests
         would read the same stock and one reservation would be lost.
         """
-        self.refresh_from_db(fields=["stock"])
+        self.refresh_from_db(fields=["name", "stock"])
         if self.stock < quantity:
             raise ValueError(f"Only {self.stock} {self.name} left.")
         time.sleep(0.3)

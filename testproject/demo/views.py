@@ -6,8 +6,8 @@ from urllib.parse import urlsplit
 
 from django.conf import settings
 from django.contrib import messages
-from django.http import HttpRequest, HttpResponse
-from django.shortcuts import get_object_or_404, redirect, render
+from django.http import Http404, HttpRequest, HttpResponse
+from django.shortcuts import redirect, render
 from django.views.decorators.http import require_POST
 
 from django_redis_mutex import (
@@ -72,9 +72,15 @@ def reserve(request: HttpRequest, pk: int) -> HttpResponse:
     When someone holds "inventory" for longer than the 2 s timeout, the view
     raises LockContended and MutexMiddleware answers 503 with Retry-After.
     """
-    product = get_object_or_404(Product, pk=pk)
+    # The request's transaction (ATOMIC_REQUESTS) began after "inventory" was
+    # taken. Nothing is read before the product's own lock either: reserve()
+    # reads the row under it, and the lock is kept until the transaction
+    # commits, so the next reservation reads the stock this one wrote.
+    product = Product(pk=pk)
     try:
         left = product.reserve()
+    except Product.DoesNotExist:
+        raise Http404(f"No product {pk}.") from None
     except ValueError as exc:
         messages.error(request, str(exc))
     else:
