@@ -135,9 +135,11 @@ def read_policy(client: Any, alias: str, *, stats: bool = False) -> EvictionPoli
     why; a transport failure propagates, as the server could not be asked.
     Of a cluster, the verdict of a node that evicts wins.
     """
+    # A cluster client asks only its default node unless told: ask every primary.
+    where = {"target_nodes": client.PRIMARIES} if hasattr(client, "get_nodes") else {}
     try:
-        memory = _per_server(client.info("memory"))
-        counts = _per_server(client.info("stats")) if stats else []
+        memory = _per_server(client.info("memory", **where))
+        counts = _per_server(client.info("stats", **where)) if stats else []
     except ResponseError as exc:
         return EvictionPolicy(alias, unreadable=str(exc) or type(exc).__name__)
     found = [

@@ -27,7 +27,12 @@ from django.test import Client, override_settings
 from django_redis_mutex import LockBackendUnavailable, Mutex, Semaphore, mutex
 from django_redis_mutex.checks import check_lock_eviction
 from django_redis_mutex.conf import parse_settings
-from django_redis_mutex.testing import RedisServer, free_port, lock_acl_rules
+from django_redis_mutex.testing import (
+    RedisClusterServers,
+    RedisServer,
+    free_port,
+    lock_acl_rules,
+)
 
 EVICTING = ["allkeys-lru", "volatile-lru"]
 LOGGER = "django_redis_mutex"
@@ -157,6 +162,29 @@ def test_a_server_down_at_first_use_is_asked_once_it_is_back(
         with server, mutex("report"):
             pass
     assert len(eviction_warnings(caplog)) == 1
+
+
+def test_a_cluster_with_one_evicting_primary_is_warned_about(
+    mutex_prefix: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    with RedisClusterServers() as cluster:
+        last = redis.Redis(port=cluster.nodes[-1].port)
+        last.config_set("maxmemory", "64mb")
+        last.config_set("maxmemory-policy", "allkeys-lru")
+        last.close()
+        entry = {
+            "BACKEND": "django_redis.cache.RedisCache",
+            "LOCATION": cluster.url,
+            "KEY_PREFIX": "tests",
+            "OPTIONS": {"SOCKET_TIMEOUT": 5},
+            "MUTEX": {"CLUSTER": True, "PREFIX": mutex_prefix},
+        }
+        with override_settings(CACHES={"default": entry}), caplog.at_level(logging.WARNING):
+            with mutex("report"):
+                pass
+            assert check_ids() == ["django_redis_mutex.W003"]
+    (message,) = eviction_warnings(caplog)
+    assert "maxmemory-policy allkeys-lru" in message
 
 
 # -- the system check --------------------------------------------------------------------------
