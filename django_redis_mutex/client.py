@@ -311,17 +311,24 @@ def probe_client(alias: str, *, base: Any = None) -> Iterator[Any]:
     it works for an alias that REQUIRE_NOEVICTION refuses. Its connection is
     closed on leaving: it serves a question asked once, not every lock.
     """
-    if base is None:
-        base = _sync_clients.get(alias) or _new_client(alias)
-    client = _copy_with(
-        alias, base, socket_timeout=PROBE_TIMEOUT, socket_connect_timeout=PROBE_TIMEOUT
-    )
+    made: list[Any] = []
     try:
+        if base is None:
+            base = _sync_clients.get(alias)
+            if base is None:
+                base = _new_client(alias)
+                if get_settings(alias).cluster:
+                    made.append(base)  # a cluster client of its own, connected to read slots
+        client = _copy_with(
+            alias, base, socket_timeout=PROBE_TIMEOUT, socket_connect_timeout=PROBE_TIMEOUT
+        )
+        if client is not base:
+            made.append(client)
         yield client
     finally:
-        if client is not base:
-            client.close()
-            pool = getattr(client, "connection_pool", None)
+        for own in made:
+            own.close()
+            pool = getattr(own, "connection_pool", None)
             if pool is not None:
                 pool.disconnect()
 
