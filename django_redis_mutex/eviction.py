@@ -18,7 +18,7 @@ The system check (:mod:`~django_redis_mutex.checks`) reads it afresh.
 Where ``INFO`` is refused (an ACL without ``+info``, a managed service that
 disables it), the verdict says so instead of guessing.
 
-.. versionadded:: 0.1.0
+.. versionadded:: 0.2
 """
 
 from __future__ import annotations
