@@ -43,12 +43,14 @@ from redis.exceptions import RedisError
 
 from .client import lock_aliases
 from .display import duration, terminal_safe
+from .eviction import EvictionPolicy
 from .exceptions import LockBackendUnavailable
 from .filters import FILTER_FIELDS, FilterError, LockFilter
 from .introspection import (
     HeldLock,
     ListedLock,
     ensure_resettable,
+    eviction_policies,
     listed_locks,
     quorum_members,
     reset,
@@ -281,6 +283,7 @@ def lock_list(
             "total": 0,
             "semaphores": [],
             "semaphores_total": 0,
+            "evictions": [],
             "error": None,
         }
     )
@@ -308,6 +311,7 @@ def lock_list(
                 raise _BadFilter(filters.error_text())
             found = listed_locks(using)
             found_semaphores = _semaphores_of(using)
+            evictions = [text for p in eviction_policies(using) if (text := _evictions(p))]
         except _BadFilter as exc:
             # Reloading would only repeat the error while the operator fixes it.
             context.update(error=str(exc), filter_error=True, refresh_seconds=0)
@@ -327,6 +331,7 @@ def lock_list(
                 if query.casefold() in h.held.name.casefold()
             ]
             context["locks"] = [_row(h, release_url, using, chosen) for h in matching]
+            context["evictions"] = evictions
             context["total"] = len(found)
             reset_url = _reset_semaphore_url(model_admin)
             context.update(_semaphore_context(found_semaphores, reset_url, using, query))
@@ -337,6 +342,37 @@ def lock_list(
     context.update(extra_context or {})
     request.current_app = model_admin.admin_site.name
     return TemplateResponse(request, "django_redis_mutex/admin/locks.html", context, status=status)
+
+
+def _evictions(policy: EvictionPolicy) -> str | None:
+    """Return what the page says about keys the Redis evicted, or None (as ``locks`` does)."""
+    count = policy.evicted_keys
+    if count is None or not policy.worth_listing:
+        return None
+    values = {"alias": policy.alias, "policy": policy.policy, "count": count}
+    if policy.evicts:
+        return (
+            ngettext(
+                "The Redis of cache “%(alias)s” evicts keys (maxmemory-policy %(policy)s): "
+                "%(count)d key evicted since it started. A held lock can be evicted too: keep "
+                "locks on a Redis with maxmemory-policy noeviction.",
+                "The Redis of cache “%(alias)s” evicts keys (maxmemory-policy %(policy)s): "
+                "%(count)d keys evicted since it started. A held lock can be evicted too: keep "
+                "locks on a Redis with maxmemory-policy noeviction.",
+                count,
+            )
+            % values
+        )
+    return (
+        ngettext(
+            "The Redis of cache “%(alias)s” evicted %(count)d key since it started "
+            "(maxmemory-policy now %(policy)s).",
+            "The Redis of cache “%(alias)s” evicted %(count)d keys since it started "
+            "(maxmemory-policy now %(policy)s).",
+            count,
+        )
+        % values
+    )
 
 
 def _selected(listed: Iterable[ListedLock], lock_filter: LockFilter) -> list[ListedLock]:

@@ -1,4 +1,5 @@
-"""System checks: a bad MUTEX block, a non-Redis lock cache, a broken QUORUM, missing telemetry.
+"""System checks: a bad MUTEX block, a non-Redis lock cache, a broken QUORUM, missing telemetry,
+a lock Redis that evicts keys.
 
 Settings mistakes should surface at ``manage.py check`` (and at server start),
 not at the first lock a request takes.
@@ -9,11 +10,13 @@ from __future__ import annotations
 from typing import Any
 
 from django.conf import settings
-from django.core.checks import CheckMessage, Error, Tags, Warning, register
+from django.core.checks import CheckMessage, Error, Info, Tags, Warning, register
 from django.core.exceptions import ImproperlyConfigured
+from redis.exceptions import RedisError
 
-from .client import backend_kind
-from .conf import parse_settings, validate_prefix
+from .client import backend_kind, probe_client
+from .conf import get_settings, parse_settings, validate_prefix
+from .eviction import read_policy
 from .telemetry import available as telemetry_available
 
 
@@ -82,3 +85,68 @@ def check_mutex_settings(app_configs: Any = None, **kwargs: Any) -> list[CheckMe
                 )
             )
     return errors
+
+
+def _lock_aliases_to_probe(caches: dict[str, Any]) -> list[str]:
+    """Return the aliases that hold locks: those with a MUTEX block, and the QUORUM members.
+
+    A quorum alias itself holds nothing (its members do); an alias that fails
+    the settings check is left to that check.
+    """
+    aliases: list[str] = []
+    for alias, entry in caches.items():
+        if "MUTEX" not in entry or backend_kind(str(entry.get("BACKEND", ""))) is None:
+            continue
+        try:
+            config = parse_settings(alias, entry["MUTEX"])
+        except ImproperlyConfigured:
+            continue
+        for member in config.quorum or (alias,):
+            member_entry = caches.get(member)
+            if member_entry is None or backend_kind(str(member_entry.get("BACKEND", ""))) is None:
+                continue
+            if member not in aliases:
+                aliases.append(member)
+    return aliases
+
+
+@register(Tags.caches)
+def check_lock_eviction(app_configs: Any = None, **kwargs: Any) -> list[CheckMessage]:
+    """Warn about each lock alias whose Redis may evict keys, held locks among them.
+
+    Asks each server once (``INFO memory``, within the probe client's short
+    timeout). A server that cannot be reached is passed over in silence: the
+    check must not fail a deploy step that runs without Redis, and the first
+    lock on that alias asks again and logs the same warning.
+    """
+    messages: list[CheckMessage] = []
+    for alias in _lock_aliases_to_probe(getattr(settings, "CACHES", {})):
+        try:
+            required = get_settings(alias).require_noeviction
+            with probe_client(alias) as client:
+                verdict = read_policy(client, alias)
+        except (RedisError, OSError, ImproperlyConfigured):
+            # Unreachable, or not a client that can be asked: nothing to say.
+            continue
+        if required and (verdict.evicts or verdict.unreadable is not None):
+            messages.append(
+                Error(
+                    verdict.refusal(),
+                    hint="Every lock on this alias raises ImproperlyConfigured until then.",
+                    id="django_redis_mutex.E004",
+                )
+            )
+        elif verdict.unreadable is not None:
+            messages.append(Info(verdict.unreadable_message(), id="django_redis_mutex.I001"))
+        elif verdict.evicts:
+            messages.append(
+                Warning(
+                    verdict.warning(),
+                    hint=(
+                        "Run a Redis with maxmemory-policy noeviction for locks and point this "
+                        "alias at it; set MUTEX REQUIRE_NOEVICTION to refuse locks meanwhile."
+                    ),
+                    id="django_redis_mutex.W003",
+                )
+            )
+    return messages

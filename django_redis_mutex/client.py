@@ -9,7 +9,10 @@ from __future__ import annotations
 
 import asyncio
 import threading
+import time
 import weakref
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any, Literal
 
 from django.core.exceptions import ImproperlyConfigured
@@ -17,6 +20,7 @@ from django.core.signals import setting_changed
 from django.dispatch import receiver
 from redis import exceptions as redis_errors
 
+from . import eviction
 from .conf import cache_entry, get_settings
 from .exceptions import LockBackendUnavailable
 
@@ -36,6 +40,7 @@ __all__ = [
     "get_member_client",
     "lock_aliases",
     "namespace",
+    "probe_client",
 ]
 
 DJANGO_REDIS_BACKEND = "django_redis.cache.RedisCache"
@@ -64,6 +69,14 @@ _async_clients: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, dict[str, A
 )
 _namespaces: dict[str, str] = {}
 _derived_clients: dict[tuple[str, str, float | None], Any] = {}
+# Aliases whose Redis could not be asked for its eviction policy at first use,
+# with the monotonic time to ask again (see _vet).
+_unvetted: dict[str, float] = {}
+
+# How long asking a Redis for its eviction policy may take (connect and read),
+# and how long to wait before asking again a Redis that did not answer.
+PROBE_TIMEOUT = 1.0
+VET_RETRY = 5.0
 
 
 def server_ms(reply: Any) -> int:
@@ -178,15 +191,54 @@ def get_client(alias: str) -> Any:
 
     For an alias whose MUTEX block sets ``CLUSTER``, return a
     ``redis.cluster.RedisCluster`` on its LOCATION instead.
+
+    The first client of an alias in a process asks its Redis whether it may
+    evict keys (one ``INFO``, see :mod:`~django_redis_mutex.eviction`): a
+    warning is logged once if it may, and with ``REQUIRE_NOEVICTION`` the
+    alias is refused with ImproperlyConfigured on every call.
     """
     client = _sync_clients.get(alias)
     if client is not None:
+        if _unvetted and alias in _unvetted:
+            try:
+                _vet(alias, client)
+            except ImproperlyConfigured:
+                with _lock:
+                    _sync_clients.pop(alias, None)
+                raise
         return client
-    kind = _check_backend(alias)
-    client = _cluster_client(alias) if get_settings(alias).cluster else _raw_client(alias, kind)
+    client = _new_client(alias)
+    _vet(alias, client)
     with _lock:
         _sync_clients.setdefault(alias, client)
     return _sync_clients[alias]
+
+
+def _new_client(alias: str) -> Any:
+    kind = _check_backend(alias)
+    return _cluster_client(alias) if get_settings(alias).cluster else _raw_client(alias, kind)
+
+
+def _vet(alias: str, client: Any) -> None:
+    """Read ``alias``'s eviction verdict once per process; refuse if REQUIRE_NOEVICTION says so.
+
+    A Redis that cannot be reached right now is asked again at a later use,
+    at most every VET_RETRY seconds: the lock operation itself then reports
+    the outage, not this check, and a slow answer never fails a lock.
+    """
+    verdict = eviction.remembered(alias)
+    if verdict is None:
+        if time.monotonic() < _unvetted.get(alias, 0.0):
+            return
+        try:
+            with probe_client(alias, base=client) as probe:
+                verdict = eviction.first_read(alias, probe)
+        except (*UNAVAILABLE, redis_errors.RedisClusterException):
+            _unvetted[alias] = time.monotonic() + VET_RETRY
+            return
+        _unvetted.pop(alias, None)
+    if get_settings(alias).require_noeviction:
+        eviction.refuse_if_evicting(verdict)
 
 
 def socket_timeout(client: Any) -> float | None:
@@ -213,25 +265,27 @@ def _derive(alias: str, kind: str, timeout: float | None, **overrides: Any) -> A
     client = _derived_clients.get(key)
     if client is not None:
         return client
-    import redis as redis_module
-
-    base = get_client(alias)
-    pool: Any = getattr(base, "connection_pool", None)
-    if get_settings(alias).cluster:
-        client = _cluster_client(alias, **overrides)
-    elif type(pool) not in (redis_module.ConnectionPool, redis_module.BlockingConnectionPool):
-        client = base
-    else:
-        kwargs = {**pool.connection_kwargs, **overrides}
-        new_pool = type(pool)(
-            connection_class=pool.connection_class,
-            max_connections=pool.max_connections,
-            **kwargs,
-        )
-        client = redis_module.Redis(connection_pool=new_pool)
+    client = _copy_with(alias, get_client(alias), **overrides)
     with _lock:
         _derived_clients.setdefault(key, client)
     return _derived_clients[key]
+
+
+def _copy_with(alias: str, base: Any, **overrides: Any) -> Any:
+    """Return a new client like ``base`` with ``overrides`` (socket timeouts), or ``base``."""
+    import redis as redis_module
+
+    pool: Any = getattr(base, "connection_pool", None)
+    if get_settings(alias).cluster:
+        return _cluster_client(alias, **overrides)
+    if type(pool) not in (redis_module.ConnectionPool, redis_module.BlockingConnectionPool):
+        return base
+    new_pool = type(pool)(
+        connection_class=pool.connection_class,
+        max_connections=pool.max_connections,
+        **{**pool.connection_kwargs, **overrides},
+    )
+    return redis_module.Redis(connection_pool=new_pool)
 
 
 def get_member_client(alias: str, timeout: float | None = None) -> Any:
@@ -245,6 +299,38 @@ def get_member_client(alias: str, timeout: float | None = None) -> Any:
     if timeout is None:
         timeout = get_settings(alias).quorum_timeout
     return _derive(alias, "member", timeout, socket_timeout=timeout, socket_connect_timeout=timeout)
+
+
+@contextmanager
+def probe_client(alias: str, *, base: Any = None) -> Iterator[Any]:
+    """Give a client for ``alias`` whose every request gives up after PROBE_TIMEOUT seconds.
+
+    For questions about the server (its eviction policy) that must never hold
+    up a lock, a system check or a listing for long. ``base`` is the alias's
+    own client, if the caller has it. Making it asks the server nothing, so
+    it works for an alias that REQUIRE_NOEVICTION refuses. Its connection is
+    closed on leaving: it serves a question asked once, not every lock.
+    """
+    made: list[Any] = []
+    try:
+        if base is None:
+            base = _sync_clients.get(alias)
+            if base is None:
+                base = _new_client(alias)
+                if get_settings(alias).cluster:
+                    made.append(base)  # a cluster client of its own, connected to read slots
+        client = _copy_with(
+            alias, base, socket_timeout=PROBE_TIMEOUT, socket_connect_timeout=PROBE_TIMEOUT
+        )
+        if client is not base:
+            made.append(client)
+        yield client
+    finally:
+        for own in made:
+            own.close()
+            pool = getattr(own, "connection_pool", None)
+            if pool is not None:
+                pool.disconnect()
 
 
 # How much longer than the longest blocking wait a blocking connection reads.
@@ -392,6 +478,10 @@ async def get_async_client(
     """
     import redis.asyncio as aioredis
 
+    if alias not in _sync_clients or (_unvetted and alias in _unvetted):
+        # The alias's first use in this process (or a refused one): its
+        # eviction check is a blocking INFO, so it runs off the event loop.
+        await asyncio.to_thread(get_client, alias)
     loop = asyncio.get_running_loop()
     per_loop = _async_clients.get(loop)
     if per_loop is None:
@@ -462,6 +552,7 @@ def reset_after_fork() -> None:
     _derived_clients.clear()
     _namespaces.clear()
     _async_clients.clear()
+    _unvetted.clear()
 
 
 def clear_clients() -> None:
@@ -471,6 +562,8 @@ def clear_clients() -> None:
         _derived_clients.clear()
         _namespaces.clear()
         _async_clients.clear()
+        _unvetted.clear()
+        eviction.forget()
 
 
 @receiver(setting_changed)

@@ -48,6 +48,9 @@ DEFAULTS: dict[str, Any] = {
     # write (Redis WAIT), within WAIT_TIMEOUT seconds; 0 turns it off.
     "WAIT_REPLICAS": 0,
     "WAIT_TIMEOUT": 1.0,
+    # Refuse to lock on a Redis that may evict keys (maxmemory with a policy
+    # other than noeviction), or whose policy cannot be read (see eviction.py).
+    "REQUIRE_NOEVICTION": False,
 }
 
 # A lease longer than a year is a bug in the caller, not a lock.
@@ -75,6 +78,7 @@ class MutexSettings:
     telemetry_names: bool = False
     wait_replicas: int = 0
     wait_timeout: float = 1.0
+    require_noeviction: bool = False
 
 
 def _is_number(value: object) -> bool:
@@ -214,6 +218,17 @@ def _validate_wait_replicas(alias: str, merged: dict[str, Any]) -> tuple[int, fl
     return replicas, timeout
 
 
+def _validate_require_noeviction(alias: str, merged: dict[str, Any]) -> bool:
+    required = _validate_bool(alias, "REQUIRE_NOEVICTION", merged["REQUIRE_NOEVICTION"])
+    if required and merged["QUORUM"]:
+        # A quorum alias's locks live on its members, whose own MUTEX blocks count.
+        raise ImproperlyConfigured(
+            f"CACHES[{alias!r}]['MUTEX']['REQUIRE_NOEVICTION'] has no effect on a QUORUM "
+            "alias: set it in the MUTEX block of each member alias."
+        )
+    return required
+
+
 def parse_settings(alias: str, block: object) -> MutexSettings:
     """Validate one ``MUTEX`` block and merge it over the defaults."""
     if block is None:
@@ -250,6 +265,7 @@ def parse_settings(alias: str, block: object) -> MutexSettings:
         telemetry_names=_validate_telemetry_names(alias, merged["TELEMETRY_NAMES"], telemetry),
         wait_replicas=wait_replicas,
         wait_timeout=wait_timeout,
+        require_noeviction=_validate_require_noeviction(alias, merged),
     )
 
 

@@ -46,6 +46,12 @@ Semantics, chosen on purpose:
   acquisition, and so its fence), or retry a write whose reply it never saw.
   Another holder never has the same fence: fences strictly increase with each
   acquisition of a name.
+* **Exclusive holds only.** A fenced write through a ``Mutex`` held shared
+  is refused with ``ValueError`` before anything is written: readers holding
+  the lock at the same time have different fences, so one reader's write
+  would refuse another current reader's as stale. Take the lock exclusively
+  to write fenced (a shared handle's ``fence`` passed as a number cannot be
+  told apart; do not).
 * **One lock name per row.** Fences are ordered per name; rows fenced by two
   different names are not protected from each other.
 * **Claim before you read.** The fence protects the row from holders that
@@ -104,9 +110,18 @@ def _resolve_fence(fence: Fence) -> tuple[int, str | None]:
     """Return the token to write with and the lock name, if ``fence`` is a Mutex.
 
     A Mutex that holds nothing has no token to write with: LockNotOwned,
-    rather than a write that nothing fences.
+    rather than a write that nothing fences. A Mutex held shared is refused:
+    readers holding it at the same time each have a fence of their own, so
+    one reader's write would make another current reader's write stale.
     """
     if isinstance(fence, Mutex):
+        if fence.shared:
+            raise ValueError(
+                f"Cannot write fenced by lock {fence.name!r}: this handle holds it shared, and "
+                "other readers holding it at the same time have fences of their own, so one "
+                "reader's write would refuse another's. Take the lock exclusively "
+                "(without shared=True) to write fenced."
+            )
         token = fence.fence
         if token is None:
             raise LockNotOwned(

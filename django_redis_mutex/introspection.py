@@ -25,9 +25,10 @@ from typing import Any
 
 from redis.exceptions import ResponseError
 
-from .client import UNAVAILABLE, backend_errors, get_client, namespace, server_ms
+from .client import UNAVAILABLE, backend_errors, get_client, namespace, probe_client, server_ms
 from .conf import get_settings, validate_aliases
 from .driver import run_steps
+from .eviction import EvictionPolicy, read_policy
 from .exceptions import LockBackendUnavailable
 from .handoff import release_steps, reset_steps
 from .holds import decode
@@ -39,6 +40,7 @@ __all__ = [
     "ListedLock",
     "SharedHolder",
     "ensure_resettable",
+    "eviction_policies",
     "held_locks",
     "listed_locks",
     "quorum_members",
@@ -163,6 +165,24 @@ def _resolve(using: object) -> tuple[str, tuple[str, ...] | None]:
 def quorum_members(using: str | Sequence[str]) -> tuple[str, ...] | None:
     """Return the master aliases of ``using`` when it is a quorum, else None (one Redis)."""
     return _resolve(using)[1]
+
+
+def eviction_policies(using: str | Sequence[str] = "default") -> list[EvictionPolicy]:
+    """Return what the Redis of ``using`` (each master of a quorum) says about evicting keys.
+
+    With the count of keys it evicted since it started (``INFO stats``), for the
+    listings. Read afresh, within a short timeout; a server that cannot be
+    reached is left out (the listing itself reports it).
+    """
+    aliases = quorum_members(using) or (_resolve(using)[0],)
+    found = []
+    for alias in aliases:
+        try:
+            with probe_client(alias) as client:
+                found.append(read_policy(client, alias, stats=True))
+        except UNAVAILABLE:
+            continue
+    return found
 
 
 def _quorums_with_member(alias: str) -> dict[str, list[str]]:

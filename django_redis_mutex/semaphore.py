@@ -293,6 +293,15 @@ class Semaphore:
                 "QUORUM, and a semaphore lives on one Redis (a master with replicas, "
                 "Sentinel or Cluster). Use one of the quorum's member aliases."
             )
+        if settings.wait_replicas:
+            # Granting a permit without the replica acknowledgement the alias
+            # asks for would let a failover hand it out twice, unannounced.
+            raise ImproperlyConfigured(
+                f"Semaphore {self.name!r} cannot use cache {using!r}: its MUTEX block sets "
+                f"WAIT_REPLICAS ({settings.wait_replicas}), and semaphore permits are not "
+                "acknowledged by replicas. Use a cache alias without WAIT_REPLICAS for "
+                "semaphores, or a Mutex (exclusive or shared), which waits for the replicas."
+            )
         self.fail_open = settings.fail_open
         # One entry per entered block: True when it runs unlocked (FAIL_OPEN).
         self._unlocked_blocks: list[bool] = []

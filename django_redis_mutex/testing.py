@@ -49,6 +49,10 @@ LOCK_COMMANDS: tuple[str, ...] = (
     "exists",
     "zcard",
     "time",
+    # Asked once per alias and process, and by the system check, `locks` and
+    # the admin: whether the server may evict lock keys (INFO memory), and how
+    # many keys it evicted (INFO stats). See django_redis_mutex.eviction.
+    "info",
     # Run inside the Lua scripts (see django_redis_mutex.scripts).
     "get",
     "set",

@@ -43,7 +43,7 @@ from tests.testapp.models import (
 
 from . import databases
 from .databases import MariaDBServer, PostgresServer, configured, create_database
-from .helpers import wait_until
+from .helpers import held_shared, wait_until
 from .worker import Worker
 
 # A realistic token (microseconds since the epoch): past 32 bits, so a column
@@ -280,6 +280,27 @@ def test_save_fenced_with_a_lock_not_held_raises_lock_not_owned(records: Any) ->
         record.save_fenced(Mutex("idle"))
 
     assert row(records, record.pk) == (0, "", 0)
+
+
+def test_a_fenced_write_under_a_shared_hold_is_refused(records: Any) -> None:
+    # Two readers hold the lock at once, each with its own fence: were the
+    # later reader's write allowed, the earlier one, still a holder, would be
+    # refused as stale. A fenced write must be made under an exclusive hold.
+    record = records.create(name="read", value=1, written_by="before")
+    with held_shared("record", "first", "second") as (first, second):
+        assert first.fence is not None and second.fence is not None
+        assert first.fence != second.fence
+        for reader in (first, second):
+            with pytest.raises(ValueError, match=r"'record'.*shared.*exclusive"):
+                records.update_fenced(record.pk, reader, value=2, written_by="reader")
+            record.value = 3
+            with pytest.raises(ValueError, match=r"'record'.*shared.*exclusive"):
+                record.save_fenced(reader)
+
+    assert row(records, record.pk) == (1, "before", 0)
+    with mutex("record") as writer:
+        records.update_fenced(record.pk, writer, value=4, written_by="writer")
+    assert row(records, record.pk)[:2] == (4, "writer")
 
 
 def test_write_through_an_expired_lock_after_a_newer_holder_wrote_names_the_lock(

@@ -23,7 +23,15 @@ from django.conf import settings
 from django.core.exceptions import ImproperlyConfigured
 from django.test import override_settings
 
-from django_redis_mutex import LockBackendUnavailable, LockNotReplicated, Mutex
+from django_redis_mutex import (
+    LockBackendUnavailable,
+    LockNotReplicated,
+    Mutex,
+    Semaphore,
+    held_semaphores,
+    mutex,
+    semaphore,
+)
 from django_redis_mutex.checks import check_mutex_settings
 from django_redis_mutex.conf import parse_settings
 from django_redis_mutex.driver import Acknowledged, Script
@@ -486,3 +494,48 @@ def test_quorum_refuses_a_member_that_waits_for_replicas(mutex_prefix: str) -> N
     refused = pytest.raises(ImproperlyConfigured, match=r"cannot use cache 'r2'.*WAIT_REPLICAS")
     with override_settings(CACHES=caches), refused:
         Mutex("report", using=["default", "r2"])
+
+
+# -- every kind of lock on a WAIT_REPLICAS alias --------------------------------------------
+
+
+@pytest.fixture
+def waits_without_replicas() -> Iterator[None]:
+    """``default`` (the suite's server, which has no replica) waits for one replica."""
+    caches = copy.deepcopy(settings.CACHES)
+    caches["default"]["MUTEX"] = {
+        **caches["default"]["MUTEX"],
+        "WAIT_REPLICAS": 1,
+        "WAIT_TIMEOUT": 0.2,
+    }
+    with override_settings(CACHES=caches):
+        yield
+
+
+@pytest.mark.usefixtures("waits_without_replicas")
+def test_an_exclusive_hold_without_a_replica_is_refused(raw: redis.Redis) -> None:
+    lock = Mutex("report")
+    with pytest.raises(LockNotReplicated):
+        lock.acquire()
+    assert not raw.exists(lock.keys.lock)
+
+
+@pytest.mark.usefixtures("waits_without_replicas")
+def test_a_shared_hold_without_a_replica_is_refused(raw: redis.Redis) -> None:
+    ran = []
+    with pytest.raises(LockNotReplicated), mutex("report", shared=True):
+        ran.append(True)
+    assert ran == []
+    assert not raw.exists(Mutex("report").keys.lock)
+
+
+@pytest.mark.usefixtures("waits_without_replicas")
+def test_a_semaphore_refuses_an_alias_that_waits_for_replicas(raw: redis.Redis) -> None:
+    message = r"Semaphore 'exports' cannot use cache 'default': .*WAIT_REPLICAS"
+    with pytest.raises(ImproperlyConfigured, match=message):
+        Semaphore("exports", 2)
+    ran = []
+    with pytest.raises(ImproperlyConfigured, match=message), semaphore("exports", 2):
+        ran.append(True)
+    assert ran == []
+    assert held_semaphores() == []

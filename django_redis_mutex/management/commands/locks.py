@@ -23,6 +23,11 @@ it ``"shared": true`` and its ``holders``. The filters select holders of a
 shared lock: a filtered listing shows, and a filtered ``--reset-all`` frees,
 only the holders that match, leaving the others their hold.
 
+Under the line naming the Redis read, a warning line says how many keys
+that server evicted since it started, when it may evict keys (a
+``maxmemory`` with a policy other than ``noeviction``) or did. ``--json``
+is unchanged: its top level is an array of entries, with no place for it.
+
 Counting semaphores are listed too, unless a filter is given (the filters
 select locks): below the table, and in ``--json`` as entries whose ``kind`` is
 ``"semaphore"`` (every lock entry has ``"kind": "lock"``). A semaphore is reset
@@ -51,6 +56,7 @@ from django_redis_mutex.introspection import (
     HeldLock,
     ListedLock,
     ensure_resettable,
+    eviction_policies,
     held_locks,
     listed_locks,
     quorum_members,
@@ -375,6 +381,11 @@ class Command(BaseCommand):
         """
         # Which server was read answers "why is my lock not listed?" at once.
         self.stdout.write(terminal_safe(self.source_line(alias)))
+        # So does an eviction: a held lock evicted is simply not listed.
+        for policy in eviction_policies(alias):
+            evictions = policy.evictions_line()
+            if evictions is not None:
+                self.stdout.write(self.style.WARNING(terminal_safe(evictions)))
         chosen = terminal_safe(lock_filter.describe()) if lock_filter else ""
         if not locks:
             if chosen and total:
