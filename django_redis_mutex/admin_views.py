@@ -222,6 +222,8 @@ def _holder(
         "pid": "" if owner.pid is None else owner.pid,
         "thread": terminal_safe(owner.thread or ""),
         "label": terminal_safe(owner.label or ""),
+        # Set when the lock's block has ended and it is kept for a transaction.
+        "transaction": terminal_safe(", ".join(owner.transaction)),
         "acquired_at": acquired_at,
         "held_for": duration(held_for),
         "time_left": duration(time_left),

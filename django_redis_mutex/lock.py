@@ -66,7 +66,7 @@ from .holds import (
     transaction_ended,
 )
 from .keys import LockKeys, SharedRecord, validate_label, validate_name
-from .owners import Owner, parse_owner
+from .owners import Owner, mark_transaction, parse_owner
 from .scripts import HANDOFF_LEASE, WAIT_LEASE, lease_ms
 from .transactions import TransactionWait, open_transactions, warn_if_read_before
 from .watchdog import get_watchdog
@@ -780,7 +780,12 @@ class Mutex:
         self._release(self._held_or_raise("release"))
 
     def _release(self, hold: Hold) -> None:
-        if self._drop_level(hold) or self._kept_for_transaction(hold):
+        if self._drop_level(hold):
+            return
+        kept = self._kept_for_transaction(hold)
+        if kept is not None:
+            if kept:
+                run_steps(self._mark_steps(hold, kept))
             return
         # Stop renewing first: a renewal answered after our release would
         # otherwise report the lock as lost.
@@ -793,8 +798,12 @@ class Mutex:
             raise
         self._finish(hold, released)
 
-    def _kept_for_transaction(self, hold: Hold) -> bool:
-        """Keep ``hold`` until this thread's open transactions end; return True if it is kept.
+    def _kept_for_transaction(self, hold: Hold) -> list[str] | None:
+        """Keep ``hold`` until this thread's open transactions end, if any are open.
+
+        Return None when the lock is to be given back now, else the aliases
+        of the databases waited for when this made the hold wait (its owner
+        record is to be marked), or [] when it was waiting already.
 
         Given back now, the next holder could read the rows before our COMMIT
         (or from a snapshot older than it) and overwrite them. The watchdog
@@ -802,11 +811,12 @@ class Mutex:
         back (see transactions.py).
         """
         if self.release_at_block_end:
-            return False
+            return None
         connections = open_transactions()
         if not connections:
-            return False
+            return None
         wait = hold.transaction_wait
+        newly = wait is None or wait.done
         if wait is None or wait.done:
             wait = hold.transaction_wait = TransactionWait(
                 lambda: self._release_after_transaction(hold)
@@ -822,7 +832,16 @@ class Mutex:
                 databases=tuple(wait.aliases),
                 shared=hold.shared,
             )
-        return True
+        return list(wait.aliases) if newly else []
+
+    def _mark_steps(self, hold: Hold, databases: list[str]) -> Steps[None]:
+        """Mark the owner record: kept until the transaction on ``databases`` ends.
+
+        Best effort: the mark only informs listings; a failure is logged.
+        """
+        owner = mark_transaction(owner_metadata(self.label), databases)
+        for alias, key in hold.targets:
+            yield Script(alias, scripts.MARK_TRANSACTION, [key], [hold.token, owner], True)
 
     def _release_after_transaction(self, hold: Hold) -> None:
         """Give back a hold kept for a transaction that has just committed or rolled back."""
@@ -860,7 +879,12 @@ class Mutex:
         await self._arelease(self._held_or_raise("release"))
 
     async def _arelease(self, hold: Hold) -> None:
-        if self._drop_level(hold) or self._kept_for_transaction(hold):
+        if self._drop_level(hold):
+            return
+        kept = self._kept_for_transaction(hold)
+        if kept is not None:
+            if kept:
+                await AsyncDriver().run(self._mark_steps(hold, kept))
             return
         get_watchdog().unwatch(hold)
         try:

@@ -15,11 +15,17 @@ import warnings
 from dataclasses import asdict, dataclass
 from typing import Any
 
-__all__ = ["Owner", "parse_owner"]
+__all__ = ["Owner", "mark_transaction", "parse_owner"]
 
 
 def _text(value: Any) -> str | None:
     return value if isinstance(value, str) else None
+
+
+def _aliases(value: Any) -> tuple[str, ...]:
+    if not isinstance(value, list):
+        return ()
+    return tuple(item for item in value if isinstance(item, str))
 
 
 def _pid(value: Any) -> int | None:
@@ -35,6 +41,9 @@ class Owner:
     pid: int | None = None
     thread: str | None = None  # thread name, or asyncio task name
     label: str | None = None
+    #: The database aliases whose transaction the lock is kept for, after its
+    #: block ended (empty while the block runs). See the Transactions docs.
+    transaction: tuple[str, ...] = ()
 
     @classmethod
     def from_record(cls, record: Any) -> Owner:
@@ -46,11 +55,14 @@ class Owner:
             pid=_pid(record.get("pid")),
             thread=_text(record.get("thread")),
             label=_text(record.get("label")),
+            transaction=_aliases(record.get("transaction")),
         )
 
     def as_dict(self) -> dict[str, Any]:
         """Return the fields as a plain dict (for JSON output)."""
-        return asdict(self)
+        fields = asdict(self)
+        fields["transaction"] = list(self.transaction)
+        return fields
 
     def __str__(self) -> str:
         """Describe the owner in one line: ``label (host, pid 12, thread T)``.
@@ -68,8 +80,12 @@ class Owner:
             if part
         )
         if self.label and where:
-            return f"{self.label} ({where})"
-        return self.label or where or "unknown owner"
+            who = f"{self.label} ({where})"
+        else:
+            who = self.label or where or "unknown owner"
+        if self.transaction:
+            return f"{who}, kept until its transaction on {', '.join(self.transaction)} ends"
+        return who
 
     # -- dict-style access, kept for one release ------------------------------------
 
@@ -93,6 +109,13 @@ class Owner:
         if field not in self.__dataclass_fields__:
             raise missing(field)
         return getattr(self, field)
+
+
+def mark_transaction(owner_json: str, databases: list[str]) -> str:
+    """Return ``owner_json`` saying that the lock is kept for a transaction on ``databases``."""
+    record = json.loads(owner_json)
+    record["transaction"] = list(databases)
+    return json.dumps(record, separators=(",", ":"))
 
 
 def parse_owner(raw: Any) -> Owner | None:

@@ -68,13 +68,29 @@ class _Record:
             )
         )
 
-    def end(self, alias: str, name: str, fence: int, held: float, *, lost: bool) -> None:
-        """Record the end of the hold ``fence`` of ``name``, if this request took it."""
+    def end(
+        self,
+        alias: str,
+        name: str,
+        fence: int,
+        held: float,
+        *,
+        lost: bool,
+        databases: tuple[str, ...] = (),
+    ) -> None:
+        """Record the end of the hold ``fence`` of ``name``, if this request took it.
+
+        ``databases``: the transactions the lock was kept for after its block.
+        """
         key = ("acquired", terminal_safe(alias), terminal_safe(name), fence)
         for row in reversed(self.rows):
             if row.held is None and (row.outcome, row.alias, row.name, row.fence) == key:
                 row.held = round(held * 1000, 2)
                 row.lost = lost
+                if databases:
+                    row.detail = terminal_safe(
+                        f"kept until its transaction on {', '.join(databases)} ended"
+                    )
                 return
 
 
@@ -123,7 +139,8 @@ def _on_unavailable(
 def _on_released(sender: str, name: str, fence: int, held: float, **kwargs: Any) -> None:
     record = _current.get()
     if record is not None:
-        record.end(sender, name, fence, held, lost=False)
+        databases = kwargs.get("databases") or ()
+        record.end(sender, name, fence, held, lost=False, databases=databases)
 
 
 def _on_lost(sender: str, name: str, fence: int, held: float, **kwargs: Any) -> None:

@@ -584,6 +584,33 @@ return 1
 )
 
 
+# MARK_TRANSACTION: record in the holder's owner record that its block has
+# ended and the lock is kept until its database transaction ends, so that
+# listings on any host can say so. A hand-over writes the next holder's own
+# record, which drops the mark.
+# KEYS[1] lock.  ARGV[1] token, ARGV[2] the owner JSON with the mark.
+# Returns 1 when written, 0 when the caller no longer holds the lock.
+MARK_TRANSACTION = LuaScript(
+    "mark_transaction",
+    r"""
+if string.sub(ARGV[1], 1, 1) ~= 's' then
+  if redis.call('HGET', KEYS[1], 'token') ~= ARGV[1] then return 0 end
+  redis.call('HSET', KEYS[1], 'owner', ARGV[2])
+  return 1
+end
+-- A shared holder's record: '<lease end>|<fence>|<taken>|<owner JSON>'.
+local field = 'r:' .. ARGV[1]
+local record = redis.call('HGET', KEYS[1], field)
+if not record then return 0 end
+local a = string.find(record, '|', 1, true)
+local b = string.find(record, '|', a + 1, true)
+local c = string.find(record, '|', b + 1, true)
+redis.call('HSET', KEYS[1], field, string.sub(record, 1, c) .. ARGV[2])
+return 1
+""",
+)
+
+
 # RAISE_FENCE: after a quorum acquisition, make every master's counter at least
 # the fence handed out, so the next majority (which overlaps this one) counts on
 # from above it.

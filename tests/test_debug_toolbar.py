@@ -19,6 +19,7 @@ from typing import Any
 
 import pytest
 from django.conf import settings
+from django.db import transaction
 from django.http import HttpRequest, HttpResponse
 from django.test import AsyncClient, Client, override_settings
 
@@ -52,6 +53,13 @@ def reserve(request: HttpRequest) -> HttpResponse:
             pass
     except LockContended:
         pass
+    return HttpResponse(PAGE.format(f"fence {fence}"))
+
+
+def in_transaction(request: HttpRequest) -> HttpResponse:
+    """Take "inventory" inside a transaction: it is kept until the COMMIT."""
+    with transaction.atomic(), mutex("inventory") as lock:
+        fence = lock.fence
     return HttpResponse(PAGE.format(f"fence {fence}"))
 
 
@@ -282,3 +290,13 @@ def test_a_request_without_locks_says_so(toolbar: None) -> None:
         "/__debug__/render_panel/", {"request_id": request_id.group(1), "panel_id": "LocksPanel"}
     )
     assert "This request took no lock." in rendered.json()["content"]
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_lock_kept_for_its_transaction_says_so_in_the_panel(toolbar: None) -> None:
+    client = Client()
+    response = client.get("/in-transaction/")
+    assert response.status_code == 200
+    [row] = panel_rows(client, response)
+    assert row["Outcome"] == "acquired"
+    assert "kept until its transaction on default ended" in row["Detail"]

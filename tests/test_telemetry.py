@@ -25,6 +25,7 @@ from typing import Any
 import pytest
 from django.conf import settings
 from django.core.exceptions import ImproperlyConfigured
+from django.db import transaction
 from django.test import override_settings
 from opentelemetry import metrics, trace
 from opentelemetry.sdk.metrics import MeterProvider
@@ -49,6 +50,7 @@ LOCK_SIGNALS = (
     signals.lock_lost,
     signals.lock_waiting,
     signals.lock_unavailable,
+    signals.lock_held_for_transaction,
 )
 
 # (metric name, attributes) -> (count or value, sum): what the SDK has aggregated so far.
@@ -478,3 +480,19 @@ def test_with_telemetry_on_in_a_fresh_process_the_receivers_are_connected(
     assert result["fence"] > 0
     assert result["receivers"] == len(LOCK_SIGNALS)
     assert result["checks"] == []
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_lock_kept_for_its_transaction_sends_a_span_naming_the_databases(
+    telemetry: Recorded,
+) -> None:
+    with transaction.atomic(), mutex("inventory") as lock:
+        fence = lock.fence
+    [span] = [
+        span
+        for span in telemetry.spans.get_finished_spans()
+        if span.name == mutex_telemetry.TRANSACTION_SPAN_NAME
+    ]
+    assert span.attributes is not None
+    assert span.attributes["mutex.databases"] == ("default",)
+    assert span.attributes["mutex.fence"] == fence

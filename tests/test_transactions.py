@@ -12,6 +12,7 @@ lock now behaves, with none lost.
 
 from __future__ import annotations
 
+import io
 import json
 import signal
 import threading
@@ -22,10 +23,19 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import pytest
+from django.core.management import call_command
 from django.db import connections, transaction
 from django.test import Client
 
-from django_redis_mutex import LockAfterReadWarning, Mutex, Semaphore, mutex, semaphore, signals
+from django_redis_mutex import (
+    LockAfterReadWarning,
+    Mutex,
+    Semaphore,
+    held_locks,
+    mutex,
+    semaphore,
+    signals,
+)
 from tests.testapp.models import Counter
 
 from .databases import MariaDBServer, PostgresServer, configured, create_database
@@ -477,6 +487,60 @@ def test_a_lock_taken_first_in_its_transaction_does_not_warn(
                 pass
         with transaction.atomic(using=alias), semaphore(name, 2):
             value_of(alias, row)
+
+
+def admin_locks_page() -> str:
+    """Render the admin Locks page for a superuser (kept in memory: no database of users)."""
+    from django.contrib.auth.models import User
+    from django.contrib.messages.storage.fallback import FallbackStorage
+    from django.test import RequestFactory
+    from django.urls import resolve
+
+    request = RequestFactory().get("/admin/django_redis_mutex/lock/")
+    request.user = User(username="root", is_staff=True, is_superuser=True, is_active=True)
+    request.session = {}  # type: ignore[assignment]
+    request._messages = FallbackStorage(request)  # type: ignore[attr-defined]
+    response = resolve(request.path).func(request)
+    assert response.status_code == 200
+    response.render()
+    return str(response.content.decode())
+
+
+def test_a_kept_lock_says_so_in_listings_the_locks_command_and_the_admin(
+    alias: str, row: int, django_db_blocker: Any
+) -> None:
+    name = f"rows:{alias}:{row}"
+    waiting = f"kept until its transaction on {alias} ends"
+    with django_db_blocker.unblock():
+        with transaction.atomic(using=alias):
+            with mutex(name, label="reserve"):
+                [listed] = [lock for lock in held_locks() if lock.name == name]
+                assert listed.owner.transaction == ()  # the block still runs
+            [listed] = [lock for lock in held_locks() if lock.name == name]
+            assert listed.owner.transaction == (alias,)
+            assert listed.owner.label == "reserve"
+            assert waiting in str(listed.owner)
+            out = io.StringIO()
+            call_command("locks", stdout=out)
+            assert waiting in out.getvalue()
+            out = io.StringIO()
+            call_command("locks", "--json", stdout=out)
+            [entry] = [e for e in json.loads(out.getvalue()) if e["name"] == name]
+            assert entry["owner"]["transaction"] == [alias]
+            assert waiting in admin_locks_page()
+        assert name not in [lock.name for lock in held_locks()]
+
+
+def test_a_kept_shared_hold_says_so_in_its_holder_record(
+    alias: str, row: int, django_db_blocker: Any
+) -> None:
+    name = f"rows:{alias}:{row}"
+    with django_db_blocker.unblock(), transaction.atomic(using=alias):
+        with mutex(name, shared=True):
+            pass
+        [listed] = [lock for lock in held_locks() if lock.name == name]
+        [holder] = listed.holders
+        assert holder.owner.transaction == (alias,)
 
 
 def test_release_at_block_end_gives_the_lock_back_inside_the_transaction(

@@ -10,6 +10,7 @@ from . import test_debug_toolbar as views
 
 urlpatterns = [
     path("reserve/", views.reserve),
+    path("in-transaction/", views.in_transaction),
     path("plain/", views.plain),
     path("read/", views.read),
     path("lose/", views.lose),

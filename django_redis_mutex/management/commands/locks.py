@@ -152,7 +152,13 @@ def table_rows(locks: list[HeldLock]) -> list[tuple[str, ...]]:
 
 
 def _owner_cells(owner: Owner) -> tuple[str, str, str, str]:
-    return (_cell(owner.host), _cell(owner.pid), _cell(owner.thread), _cell(owner.label))
+    label = _cell(owner.label)
+    if owner.transaction:
+        # The block has ended; the lock waits for its database transaction.
+        databases = ", ".join(owner.transaction)
+        waiting = terminal_safe(f"(kept until its transaction on {databases} ends)")
+        label = waiting if label == "-" else f"{label} {waiting}"
+    return (_cell(owner.host), _cell(owner.pid), _cell(owner.thread), label)
 
 
 def _since(moment: datetime) -> float:
