@@ -678,6 +678,7 @@ def _semaphore_row(held: HeldSemaphore, reset_url: str, using: str) -> dict[str,
                 "pid": "" if holder.owner.pid is None else holder.owner.pid,
                 "thread": terminal_safe(holder.owner.thread or ""),
                 "label": terminal_safe(holder.owner.label or ""),
+                "transaction": terminal_safe(", ".join(holder.owner.transaction)),
                 "time_left": duration(holder.time_left),
                 "time_left_parts": _wrap_points(duration(holder.time_left)),
             }

@@ -52,12 +52,13 @@ from .exceptions import LockBackendUnavailable, LockContended, LockLost, LockNot
 from .holds import Lease, decode, owner_metadata
 from .keys import escape_name, glob_escape, unescape_name, validate_label, validate_name
 from .lock import DEFAULT, wait_params
-from .owners import Owner, parse_owner
+from .owners import Owner, mark_transaction, parse_owner
 from .scripts import WAIT_LEASE, lease_ms
 from .semaphore_scripts import (
     SEM_ACQUIRE,
     SEM_CANCEL,
     SEM_EXTEND,
+    SEM_MARK_TRANSACTION,
     SEM_RELEASE,
     SEM_RESET,
     SEM_WAKE,
@@ -521,8 +522,11 @@ class Semaphore:
                 name=self.name,
             )
 
-    def _kept_for_transaction(self) -> bool:
+    def _kept_for_transaction(self) -> Steps[bool]:
         """Keep the permit until this thread's open transactions end; return True if kept.
+
+        Steps, for the marking of the holder's owner record (so listings can
+        say why the permit is still taken).
 
         As a lock's hold (see transactions.py): given back now, the next holder
         could read rows this one has not committed yet. The handle lets go of
@@ -539,7 +543,11 @@ class Semaphore:
         if permit is None:
             raise self._not_held()
         warn_if_read_before(self.name, connections, permit.acquired_at)
-        TransactionWait(lambda: self._release_after_transaction(permit)).add(connections)
+        wait = TransactionWait(lambda: self._release_after_transaction(permit))
+        wait.add(connections)
+        owner = mark_transaction(owner_metadata(self.label), wait.aliases)
+        keys = (self.keys.holders, self.keys.owners)
+        yield Script(self.using, SEM_MARK_TRANSACTION, keys, [permit.token, owner], True)
         return True
 
     def _release_after_transaction(self, permit: _Permit) -> None:
@@ -573,7 +581,7 @@ class Semaphore:
         Inside a database transaction the permit is kept until the transaction
         ends, unless the handle was made with ``release_at_block_end=True``.
         """
-        if self._kept_for_transaction():
+        if run_steps(self._kept_for_transaction()):
             return
         permit = self._taken_permit()
         with backend_errors(self.name, self.using):
@@ -582,7 +590,7 @@ class Semaphore:
 
     async def arelease(self) -> None:
         """Async twin of :meth:`release`."""
-        if self._kept_for_transaction():
+        if await AsyncDriver().run(self._kept_for_transaction()):
             return
         permit = self._taken_permit()
         with backend_errors(self.name, self.using):
@@ -956,6 +964,7 @@ SCRIPTS: tuple[scripts.LuaScript, ...] = (
     SEM_ACQUIRE,
     SEM_CANCEL,
     SEM_EXTEND,
+    SEM_MARK_TRANSACTION,
     SEM_RELEASE,
     SEM_RESET,
     SEM_WAKE,

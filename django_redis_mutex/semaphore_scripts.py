@@ -36,6 +36,7 @@ __all__ = [
     "SEM_ACQUIRE",
     "SEM_CANCEL",
     "SEM_EXTEND",
+    "SEM_MARK_TRANSACTION",
     "SEM_RELEASE",
     "SEM_RESET",
     "SEM_WAKE",
@@ -277,6 +278,21 @@ SEM_WAKE = LuaScript(
 if not redis.call('ZSCORE', KEYS[1], ARGV[1]) then return 0 end
 redis.call('RPUSH', KEYS[2], '1')
 redis.call('PEXPIRE', KEYS[2], WAIT_LEASE)
+return 1
+""",
+)
+
+
+# SEM_MARK_TRANSACTION: record in a holder's owner record that its block has
+# ended and the permit is kept until its database transaction ends (for
+# listings), while the holder still holds its permit.
+# KEYS[1] holders, KEYS[2] owners.  ARGV[1] its token, ARGV[2] the marked owner JSON.
+# Returns 1 when written, 0 when the token holds no permit.
+SEM_MARK_TRANSACTION = LuaScript(
+    "semaphore_mark_transaction",
+    r"""
+if not redis.call('ZSCORE', KEYS[1], ARGV[1]) then return 0 end
+redis.call('HSET', KEYS[2], ARGV[1], ARGV[2])
 return 1
 """,
 )

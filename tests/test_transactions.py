@@ -32,6 +32,7 @@ from django_redis_mutex import (
     Mutex,
     Semaphore,
     held_locks,
+    held_semaphores,
     mutex,
     semaphore,
     signals,
@@ -430,6 +431,9 @@ def test_a_semaphore_permit_inside_a_transaction_is_kept_until_it_ends(
             with semaphore(name, 1):
                 Counter.objects.using(alias).filter(pk=row).update(value=5)
             assert not _permit_free_for_others(name), "the permit went back before the COMMIT"
+            [held] = [sem for sem in held_semaphores() if sem.name == name]
+            assert held.holders[0].owner.transaction == (alias,)
+            assert f"kept until its transaction on {alias} ends" in admin_locks_page()
         assert _permit_free_for_others(name)
         with pytest.raises(Boom), transaction.atomic(using=alias):
             with semaphore(name, 1):
