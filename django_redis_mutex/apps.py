@@ -11,10 +11,14 @@ class DjangoRedisMutexConfig(AppConfig):
 
         from . import checks  # noqa: F401  (registers the system checks)
         from .telemetry import update_receivers
-        from .transactions import note_queries
+        from .transactions import watch_connection, watch_open_connections
 
-        # Tells a lock taken inside a transaction that had already read.
-        connection_created.connect(note_queries, dispatch_uid="django_redis_mutex.note_queries")
+        # Lets a lock find the transactions of its thread (and whether they
+        # had read before it was taken).
+        connection_created.connect(
+            watch_connection, dispatch_uid="django_redis_mutex.watch_connection"
+        )
+        watch_open_connections()
 
         # Connected only when an alias asks for telemetry: otherwise the lock
         # signals keep no receiver and opentelemetry is never imported.
