@@ -448,6 +448,8 @@ def skip_if_locked(
 
             return cast(F, _same_signature(async_inner, func))
 
+        transactions = RequestTransactions(func)
+
         @functools.wraps(func)
         def inner(*args: Any, **kwargs: Any) -> Any:
             name = context.name_for(func, args, kwargs)
@@ -460,8 +462,11 @@ def skip_if_locked(
                 except LockContended as busy:
                     skipped(func, busy)
                     return None
+                # As mutex(): a view's request transaction begins inside the lock.
+                stack.enter_context(transactions.opened(args))
                 return func(*args, **kwargs)
 
+        transactions.mark(inner)
         return cast(F, _same_signature(inner, func))
 
     return decorate

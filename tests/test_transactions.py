@@ -291,8 +291,9 @@ def test_a_locked_view_under_atomic_requests_loses_no_update(
         assert_data_right(outcome, value_of(alias, row))
 
 
+@pytest.mark.parametrize("kind", ["bump", "bump-class", "bump-unless-busy"])
 def test_a_locked_view_takes_its_lock_before_the_request_transaction_begins(
-    alias: str, row: int, atomic_requests: None, django_db_blocker: Any
+    alias: str, row: int, atomic_requests: None, django_db_blocker: Any, kind: str
 ) -> None:
     seen: list[tuple[bool, bool]] = []
 
@@ -302,7 +303,7 @@ def test_a_locked_view_takes_its_lock_before_the_request_transaction_begins(
     signals.lock_acquired.connect(acquired)
     try:
         with django_db_blocker.unblock():
-            response = Client().post(f"/rows/{alias}/{row}/bump/")
+            response = Client().post(f"/rows/{alias}/{row}/{kind}/")
             assert response.status_code == 200
             assert value_of(alias, row) == 1
     finally:

@@ -15,6 +15,7 @@ urlpatterns = [
     path("counters/<int:pk>/bump/", views.bump),
     path("rows/<str:alias>/<int:pk>/bump/", views.bump_row),
     path("rows/<str:alias>/<int:pk>/bump-class/", views.BumpRowView.as_view()),
+    path("rows/<str:alias>/<int:pk>/bump-unless-busy/", views.bump_row_unless_busy),
     path("rows/<str:alias>/<int:pk>/bump-early/", views.bump_row_releasing_early),
     path("busy/", views.busy),
     path("busy/read/", views.read_busy),

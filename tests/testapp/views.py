@@ -14,7 +14,14 @@ from django.http import HttpRequest, JsonResponse
 from django.utils.decorators import method_decorator
 from django.views import View
 
-from django_redis_mutex import LockError, LockLost, LockNotOwned, held_locks, mutex
+from django_redis_mutex import (
+    LockError,
+    LockLost,
+    LockNotOwned,
+    held_locks,
+    mutex,
+    skip_if_locked,
+)
 
 from .models import Counter
 
@@ -132,6 +139,12 @@ def _bump_and_answer(request: HttpRequest, alias: str, pk: int) -> JsonResponse:
 @mutex("rows:{alias}:{pk}")
 def bump_row(request: HttpRequest, alias: str, pk: int) -> JsonResponse:
     """The README's view shape: a read-modify-write under the lock (ATOMIC_REQUESTS on)."""
+    return _bump_and_answer(request, alias, pk)
+
+
+@skip_if_locked("rows:{alias}:{pk}", timeout=30)
+def bump_row_unless_busy(request: HttpRequest, alias: str, pk: int) -> JsonResponse:
+    """``bump_row`` as work dropped while another request holds the row's lock."""
     return _bump_and_answer(request, alias, pk)
 
 
