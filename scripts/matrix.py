@@ -42,8 +42,9 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 VENVS = ROOT / "build" / "matrix"
 
-# The files every leg runs: the engine, async, real processes, and the Django
-# surfaces (middleware, locks command, admin). Browser tests stay out.
+# The files every leg runs: the engine, async, real processes, the Django
+# surfaces (middleware, locks command, admin), and locks kept for database
+# transactions (they follow Django's atomic blocks). Browser tests stay out.
 TEST_FILES = (
     "tests/test_smoke.py",
     "tests/test_api.py",
@@ -52,6 +53,7 @@ TEST_FILES = (
     "tests/test_middleware.py",
     "tests/test_locks_command.py",
     "tests/test_admin.py",
+    "tests/test_transactions.py",
 )
 
 # A leg that runs longer than this is stopped and counted as failed.
