@@ -101,13 +101,16 @@ def _mark_reads(
 ) -> Any:
     """An execute wrapper: note when a transaction ran its first query."""
     connection = context["connection"]
-    if connection.in_atomic_block and connection.atomic_blocks:
-        outermost = connection.atomic_blocks[0]
+    if connection.in_atomic_block:
+        # The transaction is known by its list of commit callbacks: Django
+        # starts a new list whenever a transaction ends. (Not by its outermost
+        # atomic block: ``@transaction.atomic`` reuses one for every call.)
+        transaction = connection.run_on_commit
         noted = getattr(connection, "_mutex_first_query", None)
-        if (noted is None or noted[0] is not outermost) and not (
+        if (noted is None or noted[0] is not transaction) and not (
             isinstance(sql, str) and sql.lstrip().upper().startswith(_TRANSACTION_CONTROL)
         ):
-            connection._mutex_first_query = (outermost, time.monotonic())
+            connection._mutex_first_query = (transaction, time.monotonic())
     return execute(sql, params, many, context)
 
 
@@ -137,10 +140,10 @@ def warn_if_read_before(name: str, connections: list[Any], acquired_at: float) -
     """Warn when one of ``connections``' transactions had queried before the lock was taken."""
     for connection in connections:
         noted = getattr(connection, "_mutex_first_query", None)
-        if noted is None or not connection.atomic_blocks:
+        if noted is None:
             continue
-        block, first = noted
-        if block is connection.atomic_blocks[0] and first < acquired_at:
+        transaction, first = noted
+        if transaction is connection.run_on_commit and first < acquired_at:
             warnings.warn(
                 f"Lock {name!r} was taken inside a transaction on database "
                 f"{connection.alias!r} that had already queried it: the lock does not "

@@ -477,6 +477,24 @@ def test_a_lock_taken_after_the_transaction_read_warns_with_the_fix(
                 pass
 
 
+def test_a_read_in_an_earlier_call_of_an_atomic_function_does_not_warn(
+    alias: str, row: int, django_db_blocker: Any
+) -> None:
+    # One Atomic object serves every call of a decorated function.
+    @transaction.atomic(using=alias)
+    def read_then_lock(first: bool) -> None:
+        if first:
+            value_of(alias, row)
+        else:
+            with mutex(f"rows:{alias}:{row}"):
+                value_of(alias, row)
+
+    with django_db_blocker.unblock(), warnings.catch_warnings():
+        warnings.simplefilter("error", LockAfterReadWarning)
+        read_then_lock(True)
+        read_then_lock(False)
+
+
 def test_a_lock_taken_first_in_its_transaction_does_not_warn(
     alias: str, row: int, django_db_blocker: Any
 ) -> None:
