@@ -171,7 +171,9 @@ def test_one_hung_quorum_master_does_not_delay_a_quorum_acquire(
         blocker.release()
     finally:
         quorum[2].resume()
-    assert took < 1.0, took
+    # Bounded by QUORUM_TIMEOUT (0.05 s), not the 5 s socket timeout; generous
+    # for a loaded machine.
+    assert took < 2.5, took
     assert waited < 2.5, waited  # the caller's 1 s timeout, not a socket timeout per master
 
 
