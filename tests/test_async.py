@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import random
 import threading
 import time
 from typing import Any
@@ -24,10 +25,18 @@ from django_redis_mutex import (
     held_locks,
     mutex,
     reset,
+    scripts,
     signals,
 )
 
-from .helpers import await_until, cache_options, caches_with, dedicated_redis
+from .helpers import (
+    await_until,
+    cache_options,
+    caches_with,
+    cancel_repeatedly,
+    dedicated_redis,
+    forget_scripts_but,
+)
 
 
 async def waiters(name: str) -> int:
@@ -509,6 +518,40 @@ def test_cancelling_aacquire_during_its_first_round_trip_leaves_no_lock_held(
     while raw.exists(key) and time.monotonic() < deadline:
         time.sleep(0.02)
     assert not raw.exists(key)
+
+
+def test_an_acquisition_cancelled_again_while_it_stops_never_leaves_the_lock_to_nobody(
+    raw: Any,
+) -> None:
+    # A second cancel used to cut short the wait for the ACQUIRE in flight: its
+    # CANCEL reached Redis first, and the ACQUIRE then granted the lock (or a
+    # place in line) to a token nobody had, for the whole lease. An emptied
+    # script cache (a restart, a failover) makes the ACQUIRE three round trips
+    # (NOSCRIPT, SCRIPT LOAD, EVALSHA) while the give-back scripts take one.
+    rng = random.Random(20)
+    name = "cancelled-twice"
+
+    async def attempt(contended: bool) -> None:
+        holder = Mutex(name, ttl=8, watchdog=False)
+        if contended:
+            assert await holder.aacquire(blocking=False)
+        forget_scripts_but(raw, scripts.CANCEL, scripts.RELEASE, scripts.WAKE)
+        contender = Mutex(name, ttl=8, watchdog=False, timeout=10)
+        if await cancel_repeatedly(contender.aacquire, rng):
+            await contender.arelease()  # it got the lock before the cancels: its to give back
+        assert contender.token is None
+        if contended:
+            await holder.arelease()
+        # Nobody holds the lock, nobody waits for it: another owner gets it at once.
+        probe = Mutex(name, ttl=8, watchdog=False)
+        assert await probe.aacquire(timeout=1.0), f"held by {raw.hgetall(probe.keys.lock)}"
+        await probe.arelease()
+
+    async def main() -> None:
+        for i in range(60):
+            await attempt(contended=i % 2 == 1)
+
+    asyncio.run(main())
 
 
 def test_a_failing_lock_acquired_receiver_gives_back_without_blocking_the_loop(
