@@ -27,6 +27,7 @@ and ``lock_lost`` is sent with ``kind="semaphore"``.
 
 from __future__ import annotations
 
+import asyncio
 import inspect
 import logging
 import math
@@ -624,7 +625,10 @@ class Semaphore:
         if self._left_unlocked():
             return False
         try:
-            await self.arelease()
+            # Shielded, as a lock's block is: a task cancelled while leaving
+            # still gives its permit back (the release finishes in the
+            # background) instead of keeping it for the rest of its lease.
+            await asyncio.shield(self.arelease())
         except LockLost as lost:
             self._lost_on_exit(lost, body_failed=exc is not None)
         except Exception as error:

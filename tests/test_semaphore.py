@@ -43,7 +43,14 @@ from django_redis_mutex.semaphore_scripts import SEM_CANCEL, SEM_EXTEND, SEM_REL
 from django_redis_mutex.testing import RedisClusterServers, RedisServer
 from django_redis_mutex.watchdog import get_watchdog
 
-from .helpers import await_until, caches_with, cancel_repeatedly, forget_scripts_but, wait_until
+from .helpers import (
+    await_until,
+    caches_with,
+    cancel_repeatedly,
+    dedicated_redis,
+    forget_scripts_but,
+    wait_until,
+)
 from .proxy import Proxy
 from .test_cluster import HOSTILE_NAMES
 from .test_declared_keys import (  # the MONITOR-based check of the lock scripts
@@ -348,6 +355,49 @@ def test_an_acquisition_cancelled_again_while_it_stops_never_leaves_a_permit_to_
             await attempt(contended=i % 2 == 1)
 
     asyncio.run(main())
+
+
+@pytest.mark.parametrize("entered_by", ["async with", "decorator"])
+def test_a_task_cancelled_while_leaving_its_block_still_gives_the_permit_back(
+    entered_by: str,
+) -> None:
+    # The release is slowed by pausing writes at the server; the task is
+    # cancelled while its SEM_RELEASE waits there. Unshielded, the cancel cut
+    # the release off and the permit stayed held for the rest of its lease.
+    with dedicated_redis() as (_server, client):
+
+        async def main() -> float:
+            leaving = asyncio.Event()
+
+            async def body() -> None:
+                leaving.set()
+                client.client_pause(300, all=False)  # the release's write waits 0.3 s
+
+            if entered_by == "async with":
+
+                async def hold() -> None:
+                    async with Semaphore("slow-exit", 1, ttl=8, watchdog=False):
+                        await body()
+
+            else:
+                hold = semaphore("slow-exit", 1, ttl=8, watchdog=False)(body)
+            task = asyncio.ensure_future(hold())
+            await leaving.wait()
+            await await_until(
+                lambda: any(c.get("cmd") == "evalsha" for c in client.client_list()),
+                what="the release to reach Redis",
+            )
+            task.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await task
+            left = time.monotonic()
+            probe = Semaphore("slow-exit", 1, ttl=8, watchdog=False)
+            assert await probe.aacquire(timeout=6.0)
+            await probe.arelease()
+            return time.monotonic() - left
+
+        # Free once the pause ends, well before the 8 s lease would have.
+        assert asyncio.run(main()) < 3.0
 
 
 def test_the_decorator_fills_the_name_template_per_call(raw: redis.Redis) -> None:
