@@ -622,7 +622,11 @@ class Mutex:
             self._give_back(hold)
             raise
         if self._short(hold):
-            self.extend()
+            try:
+                self.extend()
+            except BaseException:
+                self._give_back(hold)  # as in _aacquire
+                raise
         return hold
 
     def _abandon(self, token: str) -> None:
@@ -656,7 +660,13 @@ class Mutex:
             await asyncio.shield(self._agive_back(hold))
             raise
         if self._short(hold):
-            await self.aextend()
+            try:
+                await self.aextend()
+            except BaseException:
+                # Cancelled or failed while lengthening a hand-over's lease: the
+                # caller never gets the lock, so nothing else would give it back.
+                await asyncio.shield(self._agive_back(hold))
+                raise
         return hold
 
     async def _acquire_in_child(

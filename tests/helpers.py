@@ -29,6 +29,7 @@ __all__ = [
     "forget_scripts_but",
     "held_shared",
     "run_worker",
+    "script_parked",
     "take_and_release",
     "wait_until",
 ]
@@ -113,6 +114,16 @@ def forget_scripts_but(client: Any, *kept: Any) -> None:
     client.script_flush()
     for script in kept:
         client.script_load(script.source)
+
+
+def script_parked(client: Any) -> bool:
+    """Return True when a script call waits at a server whose writes are paused (CLIENT PAUSE).
+
+    CLIENT LIST names each client's last command; a paused one is flagged blocked.
+    """
+    return any(
+        c.get("cmd") == "evalsha" and "b" in c.get("flags", "") for c in client.client_list()
+    )
 
 
 def run_worker(script: str, *args: str, timeout: float = 120) -> subprocess.Popen[str]:

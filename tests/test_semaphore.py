@@ -49,6 +49,7 @@ from .helpers import (
     cancel_repeatedly,
     dedicated_redis,
     forget_scripts_but,
+    script_parked,
     wait_until,
 )
 from .proxy import Proxy
@@ -384,7 +385,7 @@ def test_a_task_cancelled_while_leaving_its_block_still_gives_the_permit_back(
             task = asyncio.ensure_future(hold())
             await leaving.wait()
             await await_until(
-                lambda: any(c.get("cmd") == "evalsha" for c in client.client_list()),
+                lambda: script_parked(client),
                 what="the release to reach Redis",
             )
             task.cancel()
