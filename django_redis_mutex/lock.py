@@ -20,6 +20,7 @@ import asyncio
 import logging
 import math
 import secrets
+import sys
 import threading
 import time
 import warnings
@@ -51,6 +52,7 @@ from .exceptions import (
     LockNotReplicated,
     LockUpgradeRefused,
 )
+from .giveback import give_back_later
 from .handoff import handed_to, parse_wakeup, wake_steps
 from .holds import (
     Hold,
@@ -604,8 +606,9 @@ class Mutex:
             try:
                 grant = run_steps(self._acquisition_steps(token, blocking, deadline, started))
             except (redis_errors.TimeoutError, LockBackendUnavailable):
-                # Redis is not answering: a cancel would wait out another
-                # socket timeout. Our queue slot lapses after WAIT_LEASE.
+                # Redis is not answering: a cancel now would wait out another
+                # socket timeout, so it is left to the background.
+                self._abandon_later(token)
                 raise
             except BaseException:
                 self._abandon(token)
@@ -628,6 +631,17 @@ class Mutex:
                 self._give_back(hold)  # as in _aacquire
                 raise
         return hold
+
+    def _abandon_later(self, token: str) -> None:
+        """Leave the line and give back the lock from the background, once Redis answers.
+
+        The script whose reply timed out may still run when Redis is
+        responsive again, granting the lock (or a place in line) to a token
+        nobody has; that lock would stay held for its whole lease.
+        """
+        give_back_later(
+            f"lock {self.name!r}", lambda: self._abandon_steps(token), max(self.lease, WAIT_LEASE)
+        )
 
     def _abandon(self, token: str) -> None:
         try:
@@ -673,11 +687,15 @@ class Mutex:
         self, token: str, blocking: bool, deadline: float | None, started: float
     ) -> Grant | None:
         """Run the acquisition with :func:`~.driver.run_in_child`: a cancel is never lost."""
-        return await run_in_child(
-            self._acquisition_steps(token, blocking, deadline, started),
-            lambda: self._aabandon(token),
-            (redis_errors.TimeoutError, LockBackendUnavailable),
-        )
+        try:
+            return await run_in_child(
+                self._acquisition_steps(token, blocking, deadline, started),
+                lambda: self._aabandon(token),
+                (redis_errors.TimeoutError, LockBackendUnavailable),
+            )
+        except (redis_errors.TimeoutError, LockBackendUnavailable):
+            self._abandon_later(token)  # as in _acquire
+            raise
 
     async def _aabandon(self, token: str) -> None:
         try:
@@ -718,6 +736,18 @@ class Mutex:
         get_watchdog().unwatch(hold)
         hold.releasing = True
         self._nest_into(hold)
+        # Called while the failure propagates. Redis not answering may also
+        # mean the release never ran (dropped with its connection): the owner
+        # has left, so the background gives the lock back until Redis answers,
+        # unless the caller's own retry does first. A cancelled release is the
+        # caller's to retry.
+        if isinstance(sys.exc_info()[1], LockBackendUnavailable):
+            give_back_later(
+                f"lock {self.name!r} (fence {hold.fence})",
+                lambda: self._release_steps(hold),
+                hold.ttl,
+                lambda: hold.active,
+            )
 
     def _held_or_raise(self, action: str) -> Hold:
         hold = self._current()
@@ -740,6 +770,11 @@ class Mutex:
 
     def _finish(self, hold: Hold, released: bool) -> None:
         """Forget the hold after Redis answered the release (the watchdog had let go before)."""
+        if not released and hold.releasing:
+            # A retry of a release that failed: that release (only its reply
+            # lost) or the background give-back after it may have freed the
+            # lock first. It was let go, not lost.
+            released = True
         self._forget(hold, unwatched=True)
         held = time.monotonic() - hold.acquired_at
         if released:
