@@ -602,22 +602,25 @@ class Mutex:
                     self._nest_into(hold)
                     return hold
         token, started, deadline = self._start(timeout)
-        with _acquisition_errors(self.name, self.using, started):
-            try:
-                grant = run_steps(self._acquisition_steps(token, blocking, deadline, started))
-            except (redis_errors.TimeoutError, LockBackendUnavailable):
-                # Redis is not answering: a cancel now would wait out another
-                # socket timeout, so it is left to the background.
-                self._abandon_later(token)
-                raise
-            except BaseException:
-                self._abandon(token)
-                raise
-        # Outside backend_errors: an error of a signal receiver is not Redis's.
-        if grant is None:
-            self._note_contention(started)
-            return None
-        hold = self._adopt(token, grant)
+        while True:
+            with _acquisition_errors(self.name, self.using, started):
+                try:
+                    grant = run_steps(self._acquisition_steps(token, blocking, deadline, started))
+                except (redis_errors.TimeoutError, LockBackendUnavailable):
+                    # Redis is not answering: a cancel now would wait out another
+                    # socket timeout, so it is left to the background.
+                    self._abandon_later(token)
+                    raise
+                except BaseException:
+                    self._abandon(token)
+                    raise
+            # Outside backend_errors: an error of a signal receiver is not Redis's.
+            if grant is None:
+                self._note_contention(started)
+                return None
+            hold = self._adopt(token, grant)
+            if self._still_granted(hold):
+                break
         try:
             self._announce(hold, started)
         except BaseException:
@@ -631,6 +634,53 @@ class Mutex:
                 self._give_back(hold)  # as in _aacquire
                 raise
         return hold
+
+    def _still_granted(self, hold: Hold) -> bool:
+        """Return True if a new hold may be entered; else give it back (the caller queues again).
+
+        The wake-up was checked against the hand-over lease, but the process
+        or event loop may have stalled after that check, before the hold was
+        adopted and watched: if its local bound is spent, the lock may be the
+        next waiter's already. Redis is asked (EXTEND to the full lease), a
+        quorum hold counts only on its validity.
+        """
+        if hold.valid():
+            return True
+        get_watchdog().unwatch(hold)
+        try:
+            with backend_errors(self.name, self.using):
+                kept = not hold.strict and run_steps(self._extend_steps(hold, self.lease))
+        except BaseException:
+            self._give_back(hold)
+            raise
+        if not kept:
+            self._give_back(hold)
+            return False
+        return self._renew_from_now(hold)
+
+    async def _astill_granted(self, hold: Hold) -> bool:
+        """Async twin of :meth:`_still_granted`."""
+        if hold.valid():
+            return True
+        get_watchdog().unwatch(hold)
+        try:
+            with backend_errors(self.name, self.using):
+                kept = not hold.strict and await AsyncDriver().run(
+                    self._extend_steps(hold, self.lease)
+                )
+        except BaseException:
+            await asyncio.shield(self._agive_back(hold))
+            raise
+        if not kept:
+            await asyncio.shield(self._agive_back(hold))
+            return False
+        return self._renew_from_now(hold)
+
+    def _renew_from_now(self, hold: Hold) -> bool:
+        """Watch ``hold`` again once Redis confirmed it; return True."""
+        if self.watchdog:
+            get_watchdog().watch(hold)
+        return True
 
     def _abandon_later(self, token: str) -> None:
         """Leave the line and give back the lock from the background, once Redis answers.
@@ -662,12 +712,16 @@ class Mutex:
                     self._nest_into(hold)
                     return hold
         token, started, deadline = self._start(timeout)
-        with _acquisition_errors(self.name, self.using, started):
-            grant = await self._acquire_in_child(token, blocking, deadline, started)
-        if grant is None:
-            self._note_contention(started)
-            return None
-        hold = self._adopt(token, grant)
+        while True:
+            with _acquisition_errors(self.name, self.using, started):
+                grant = await self._acquire_in_child(token, blocking, deadline, started)
+            if grant is None:
+                self._note_contention(started)
+                return None
+            hold = self._adopt(token, grant)
+            # No await between this check and the body but a confirming one.
+            if await self._astill_granted(hold):
+                break
         try:
             self._announce(hold, started)
         except BaseException:
