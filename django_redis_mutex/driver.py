@@ -46,6 +46,7 @@ __all__ = [
     "Script",
     "Sleep",
     "Steps",
+    "finish_despite_cancels",
     "run_in_child",
     "run_steps",
 ]
@@ -408,10 +409,12 @@ async def run_in_child(
     sit out its timeout and might take the lock for a task that is gone.
     Waiting on the child with ``asyncio.wait`` always sees the cancel. A
     script in flight is let finish, so its reply says whether Redis granted
-    the lock; a blocking wait is cut at once. Then ``abandon()`` (leave the
-    line, give back what was granted) runs shielded from further cancels.
-    It runs too when the steps fail, except with one of ``passthrough``
-    (Redis not answering: a cancel would only wait out another timeout).
+    the lock; a blocking wait is cut at once. Only then does ``abandon()``
+    (leave the line, give back what was granted) run, to its end: further
+    cancels (an AnyIO-style scope delivers one at every await) wait for both,
+    and one CancelledError is raised after. ``abandon()`` runs too when the
+    steps fail, except with one of ``passthrough`` (Redis not answering: a
+    cancel would only wait out another timeout).
     """
     driver = AsyncDriver()
     child = asyncio.ensure_future(driver.run(steps))
@@ -421,20 +424,50 @@ async def run_in_child(
         driver.stop = True
         if not driver.in_script:
             child.cancel()
-        try:
-            await asyncio.shield(asyncio.wait({child}))
-        finally:
-            if child.done() and not child.cancelled():
-                child.exception()  # retrieved, so asyncio does not warn
-            await asyncio.shield(abandon())
+        await finish_despite_cancels(_abandon_after(child, abandon))
         raise
     try:
         return child.result()
     except passthrough:
         raise
     except BaseException:
-        await asyncio.shield(abandon())
+        await finish_despite_cancels(abandon())
         raise
+
+
+async def _abandon_after(
+    child: asyncio.Future[Any], abandon: Callable[[], Awaitable[None]]
+) -> None:
+    """Wait for ``child`` to end, then run ``abandon()``.
+
+    Never abandon while the child's script may still be on its way: a
+    give-back that overtook it would leave the lock to a token nobody has.
+    """
+    await asyncio.wait({child})
+    if not child.cancelled():
+        child.exception()  # retrieved, so asyncio does not warn
+    await abandon()
+
+
+async def finish_despite_cancels(work: Awaitable[Any]) -> None:
+    """Await ``work`` to its end however many cancels arrive meanwhile; then raise one of them.
+
+    A give-back cut short leaves a lock or permit held for its whole lease by
+    an owner that is gone: better to finish it and deliver the cancel after.
+    """
+    task = asyncio.ensure_future(work)
+    cancelled: asyncio.CancelledError | None = None
+    while not task.done():
+        try:
+            await asyncio.shield(task)
+        except asyncio.CancelledError as exc:
+            if task.cancelled():
+                raise
+            cancelled = exc
+    if not task.cancelled():
+        task.result()
+    if cancelled is not None:
+        raise cancelled
 
 
 async def _aeach(op: Each) -> Fanned:

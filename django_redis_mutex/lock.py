@@ -20,6 +20,7 @@ import asyncio
 import logging
 import math
 import secrets
+import sys
 import threading
 import time
 import warnings
@@ -51,6 +52,7 @@ from .exceptions import (
     LockNotReplicated,
     LockUpgradeRefused,
 )
+from .giveback import give_back_later
 from .handoff import handed_to, parse_wakeup, wake_steps
 from .holds import (
     Hold,
@@ -618,21 +620,25 @@ class Mutex:
                     self._nest_into(hold)
                     return hold
         token, started, deadline = self._start(timeout)
-        with _acquisition_errors(self.name, self.using, started):
-            try:
-                grant = run_steps(self._acquisition_steps(token, blocking, deadline, started))
-            except (redis_errors.TimeoutError, LockBackendUnavailable):
-                # Redis is not answering: a cancel would wait out another
-                # socket timeout. Our queue slot lapses after WAIT_LEASE.
-                raise
-            except BaseException:
-                self._abandon(token)
-                raise
-        # Outside backend_errors: an error of a signal receiver is not Redis's.
-        if grant is None:
-            self._note_contention(started)
-            return None
-        hold = self._adopt(token, grant)
+        while True:
+            with _acquisition_errors(self.name, self.using, started):
+                try:
+                    grant = run_steps(self._acquisition_steps(token, blocking, deadline, started))
+                except (redis_errors.TimeoutError, LockBackendUnavailable):
+                    # Redis is not answering: a cancel now would wait out another
+                    # socket timeout, so it is left to the background.
+                    self._abandon_later(token)
+                    raise
+                except BaseException:
+                    self._abandon(token)
+                    raise
+            # Outside backend_errors: an error of a signal receiver is not Redis's.
+            if grant is None:
+                self._note_contention(started)
+                return None
+            hold = self._adopt(token, grant)
+            if self._still_granted(hold):
+                break
         try:
             self._announce(hold, started)
         except BaseException:
@@ -640,8 +646,70 @@ class Mutex:
             self._give_back(hold)
             raise
         if self._short(hold):
-            self.extend()
+            try:
+                self.extend()
+            except BaseException:
+                self._give_back(hold)  # as in _aacquire
+                raise
         return hold
+
+    def _still_granted(self, hold: Hold) -> bool:
+        """Return True if a new hold may be entered; else give it back (the caller queues again).
+
+        The wake-up was checked against the hand-over lease, but the process
+        or event loop may have stalled after that check, before the hold was
+        adopted and watched: if its local bound is spent, the lock may be the
+        next waiter's already. Redis is asked (EXTEND to the full lease), a
+        quorum hold counts only on its validity.
+        """
+        if hold.valid():
+            return True
+        get_watchdog().unwatch(hold)
+        try:
+            with backend_errors(self.name, self.using):
+                kept = not hold.strict and run_steps(self._extend_steps(hold, self.lease))
+        except BaseException:
+            self._give_back(hold)
+            raise
+        if not kept:
+            self._give_back(hold)
+            return False
+        return self._renew_from_now(hold)
+
+    async def _astill_granted(self, hold: Hold) -> bool:
+        """Async twin of :meth:`_still_granted`."""
+        if hold.valid():
+            return True
+        get_watchdog().unwatch(hold)
+        try:
+            with backend_errors(self.name, self.using):
+                kept = not hold.strict and await AsyncDriver().run(
+                    self._extend_steps(hold, self.lease)
+                )
+        except BaseException:
+            await asyncio.shield(self._agive_back(hold))
+            raise
+        if not kept:
+            await asyncio.shield(self._agive_back(hold))
+            return False
+        return self._renew_from_now(hold)
+
+    def _renew_from_now(self, hold: Hold) -> bool:
+        """Watch ``hold`` again once Redis confirmed it; return True."""
+        if self.watchdog:
+            get_watchdog().watch(hold)
+        return True
+
+    def _abandon_later(self, token: str) -> None:
+        """Leave the line and give back the lock from the background, once Redis answers.
+
+        The script whose reply timed out may still run when Redis is
+        responsive again, granting the lock (or a place in line) to a token
+        nobody has; that lock would stay held for its whole lease.
+        """
+        give_back_later(
+            f"lock {self.name!r}", lambda: self._abandon_steps(token), max(self.lease, WAIT_LEASE)
+        )
 
     def _abandon(self, token: str) -> None:
         try:
@@ -662,30 +730,44 @@ class Mutex:
                     self._nest_into(hold)
                     return hold
         token, started, deadline = self._start(timeout)
-        with _acquisition_errors(self.name, self.using, started):
-            grant = await self._acquire_in_child(token, blocking, deadline, started)
-        if grant is None:
-            self._note_contention(started)
-            return None
-        hold = self._adopt(token, grant)
+        while True:
+            with _acquisition_errors(self.name, self.using, started):
+                grant = await self._acquire_in_child(token, blocking, deadline, started)
+            if grant is None:
+                self._note_contention(started)
+                return None
+            hold = self._adopt(token, grant)
+            # No await between this check and the body but a confirming one.
+            if await self._astill_granted(hold):
+                break
         try:
             self._announce(hold, started)
         except BaseException:
             await asyncio.shield(self._agive_back(hold))
             raise
         if self._short(hold):
-            await self.aextend()
+            try:
+                await self.aextend()
+            except BaseException:
+                # Cancelled or failed while lengthening a hand-over's lease: the
+                # caller never gets the lock, so nothing else would give it back.
+                await asyncio.shield(self._agive_back(hold))
+                raise
         return hold
 
     async def _acquire_in_child(
         self, token: str, blocking: bool, deadline: float | None, started: float
     ) -> Grant | None:
         """Run the acquisition with :func:`~.driver.run_in_child`: a cancel is never lost."""
-        return await run_in_child(
-            self._acquisition_steps(token, blocking, deadline, started),
-            lambda: self._aabandon(token),
-            (redis_errors.TimeoutError, LockBackendUnavailable),
-        )
+        try:
+            return await run_in_child(
+                self._acquisition_steps(token, blocking, deadline, started),
+                lambda: self._aabandon(token),
+                (redis_errors.TimeoutError, LockBackendUnavailable),
+            )
+        except (redis_errors.TimeoutError, LockBackendUnavailable):
+            self._abandon_later(token)  # as in _acquire
+            raise
 
     async def _aabandon(self, token: str) -> None:
         try:
@@ -726,6 +808,18 @@ class Mutex:
         get_watchdog().unwatch(hold)
         hold.releasing = True
         self._nest_into(hold)
+        # Called while the failure propagates. Redis not answering may also
+        # mean the release never ran (dropped with its connection): the owner
+        # has left, so the background gives the lock back until Redis answers,
+        # unless the caller's own retry does first. A cancelled release is the
+        # caller's to retry.
+        if isinstance(sys.exc_info()[1], LockBackendUnavailable):
+            give_back_later(
+                f"lock {self.name!r} (fence {hold.fence})",
+                lambda: self._release_steps(hold),
+                hold.ttl,
+                lambda: hold.active,
+            )
 
     def _held_or_raise(self, action: str) -> Hold:
         hold = self._current()
@@ -748,6 +842,11 @@ class Mutex:
 
     def _finish(self, hold: Hold, released: bool, databases: tuple[str, ...] = ()) -> None:
         """Forget the hold after Redis answered the release (the watchdog had let go before)."""
+        if not released and hold.releasing:
+            # A retry of a release that failed: that release (only its reply
+            # lost) or the background give-back after it may have freed the
+            # lock first. It was let go, not lost.
+            released = True
         self._forget(hold, unwatched=True)
         held = time.monotonic() - hold.acquired_at
         if released:

@@ -27,6 +27,7 @@ and ``lock_lost`` is sent with ``kind="semaphore"``.
 
 from __future__ import annotations
 
+import asyncio
 import inspect
 import logging
 import math
@@ -49,6 +50,7 @@ from .conf import get_settings, validate_flag, validate_timeout, validate_ttl
 from .decorators import EnteredHandles, MutexContext
 from .driver import REDIS_TICK, AsyncDriver, Pop, Script, Steps, run_in_child, run_steps
 from .exceptions import LockBackendUnavailable, LockContended, LockLost, LockNotOwned
+from .giveback import give_back_later
 from .holds import Lease, decode, owner_metadata
 from .keys import escape_name, glob_escape, unescape_name, validate_label, validate_name
 from .lock import DEFAULT, wait_params
@@ -188,6 +190,8 @@ class _Permit:
     successor: str | None = None
     quorum: int = 1
     active: bool = True
+    # A release failed with Redis not answering: the background gives it back.
+    releasing: bool = False
     lost: bool = False
     lost_reason: str = ""
     expires_at: float = -math.inf
@@ -436,8 +440,9 @@ class Semaphore:
                 try:
                     granted = run_steps(self._acquire_steps(token, owner, blocking, deadline))
                 except redis_errors.TimeoutError:
-                    # Redis is not answering: a cancel would wait out another
-                    # socket timeout. Our place in line lapses after WAIT_LEASE.
+                    # Redis is not answering: a cancel now would wait out
+                    # another socket timeout, so it is left to the background.
+                    self._abandon_later(token)
                     raise
                 except BaseException:
                     self._abandon(token)
@@ -449,6 +454,19 @@ class Semaphore:
             return True
         finally:
             self._acquiring = False
+
+    def _abandon_later(self, token: str) -> None:
+        """Leave the line and give back the permit from the background, once Redis answers.
+
+        The SEM_ACQUIRE whose reply timed out may still run when Redis is
+        responsive again, granting a permit (or a place in line) to a token
+        nobody has; that permit would stay held for its whole lease.
+        """
+        give_back_later(
+            f"a permit of semaphore {self.name!r}",
+            lambda: self._cancel_steps(token),
+            max(self.ttl, WAIT_LEASE),
+        )
 
     def _abandon(self, token: str) -> None:
         try:
@@ -464,11 +482,15 @@ class Semaphore:
         deadline = None if timeout is None else started + timeout
         try:
             with backend_errors(self.name, self.using):
-                granted = await run_in_child(
-                    self._acquire_steps(token, owner, blocking, deadline),
-                    lambda: self._aabandon(token),
-                    (redis_errors.TimeoutError, LockBackendUnavailable),
-                )
+                try:
+                    granted = await run_in_child(
+                        self._acquire_steps(token, owner, blocking, deadline),
+                        lambda: self._aabandon(token),
+                        (redis_errors.TimeoutError, LockBackendUnavailable),
+                    )
+                except (redis_errors.TimeoutError, LockBackendUnavailable):
+                    self._abandon_later(token)  # as in acquire()
+                    raise
             if granted is None:
                 self._refused(started)
                 return False
@@ -509,7 +531,25 @@ class Semaphore:
         get_watchdog().unwatch(permit)
         return permit
 
+    def _release_failed(self, permit: _Permit) -> None:
+        """Give the permit back from the background after a release Redis did not answer.
+
+        The release may never have run (dropped with its connection): the
+        owner has left, so the permit is given back until Redis answers, unless
+        the caller's own retry does first. It is never renewed meanwhile.
+        """
+        permit.releasing = True
+        give_back_later(
+            f"a permit of semaphore {self.name!r}",
+            lambda: self._release_steps(permit),
+            permit.ttl,
+            lambda: permit.active,
+        )
+
     def _released(self, permit: _Permit, held: bool) -> None:
+        # A retry of a release that failed: that release (only its reply lost)
+        # or the background give-back may have freed the permit first.
+        held = held or permit.releasing
         permit.active = False
         with self._state:
             if self._permit is permit:
@@ -584,8 +624,12 @@ class Semaphore:
         if run_steps(self._kept_for_transaction()):
             return
         permit = self._taken_permit()
-        with backend_errors(self.name, self.using):
-            held = run_steps(self._release_steps(permit))
+        try:
+            with backend_errors(self.name, self.using):
+                held = run_steps(self._release_steps(permit))
+        except LockBackendUnavailable:
+            self._release_failed(permit)
+            raise
         self._released(permit, held)
 
     async def arelease(self) -> None:
@@ -593,8 +637,12 @@ class Semaphore:
         if await AsyncDriver().run(self._kept_for_transaction()):
             return
         permit = self._taken_permit()
-        with backend_errors(self.name, self.using):
-            held = await AsyncDriver().run(self._release_steps(permit))
+        try:
+            with backend_errors(self.name, self.using):
+                held = await AsyncDriver().run(self._release_steps(permit))
+        except LockBackendUnavailable:
+            self._release_failed(permit)
+            raise
         self._released(permit, held)
 
     # -- extension ------------------------------------------------------------
@@ -700,7 +748,10 @@ class Semaphore:
         if self._left_unlocked():
             return False
         try:
-            await self.arelease()
+            # Shielded, as a lock's block is: a task cancelled while leaving
+            # still gives its permit back (the release finishes in the
+            # background) instead of keeping it for the rest of its lease.
+            await asyncio.shield(self.arelease())
         except LockLost as lost:
             self._lost_on_exit(lost, body_failed=exc is not None)
         except Exception as error:

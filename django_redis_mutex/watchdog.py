@@ -36,7 +36,7 @@ from collections.abc import Sequence
 from typing import Any, Protocol
 
 from django.core.exceptions import ImproperlyConfigured
-from redis.exceptions import NoScriptError
+from redis.exceptions import NoScriptError, ResponseError
 
 from . import scripts, signals
 from .holds import Lease
@@ -292,7 +292,9 @@ class _Lane:
                     hold.failed(self.alias, now + min(_IDLE, ttl / 10))
                 continue
             for (hold, _, ttl), result in zip(entries, results, strict=True):
-                if result == 1:
+                if isinstance(result, Exception):
+                    self._renewal_failed(hold, ttl, result)
+                elif result == 1:
                     hold.confirm(self.alias, sent, ttl)
                     if hold.ttl != ttl:
                         # extend() changed the lease meanwhile: renew to it at once.
@@ -300,25 +302,52 @@ class _Lane:
                 else:
                     hold.refuse(self.alias)
 
+    def _renewal_failed(self, hold: Renewable, ttl: float, error: Exception) -> None:
+        """Judge one renewal that Redis answered with an error, apart from the rest of its round."""
+        if isinstance(error, ResponseError) and str(error).startswith("WRONGTYPE"):
+            # Its key holds something else now: not ours any more.
+            hold.refuse(self.alias)
+            return
+        logger.warning("Could not renew %s on %r: %s", hold.describe(), self.alias, error)
+        hold.failed(self.alias, time.monotonic() + min(_IDLE, ttl / 10))
+
 
 def _extend_all(client: Any, entries: list[tuple[Renewable, str, float]]) -> list[Any]:
+    """Return each renewal's reply, or the error Redis answered it with.
+
+    One renewal's error never costs the others their replies: a pipeline that
+    raised its first error would drop them all, every round, until the other
+    leases ran out. A connection failure still fails the whole round.
+    """
     calls = [hold.renewal(key, ttl) for hold, key, ttl in entries]
     if hasattr(client, "get_nodes"):
         # A cluster client refuses scripts in pipelines; each renewal goes
         # to the node owning that key's slot.
-        return [scripts.run(client, script, keys, args) for script, keys, args in calls]
+        return [_run_one(client, script, keys, args) for script, keys, args in calls]
     for attempt in (1, 2):
         pipe = client.pipeline(transaction=False)
         for script, keys, args in calls:
             pipe.evalsha(script.sha, len(keys), *keys, *args)
-        try:
-            return list(pipe.execute())
-        except NoScriptError:
-            if attempt == 2:
-                raise
-            for script in {script.sha: script for script, _, _ in calls}.values():
-                client.script_load(script.source)
-    raise AssertionError("unreachable")
+        results = list(pipe.execute(raise_on_error=False))
+        unknown = any(isinstance(result, NoScriptError) for result in results)
+        if not unknown:
+            return results
+        if attempt == 2:
+            break
+        # A restarted Redis forgot the scripts: load them and renew the round
+        # again (renewing twice is harmless).
+        for script in {script.sha: script for script, _, _ in calls}.values():
+            client.script_load(script.source)
+    return results
+
+
+def _run_one(
+    client: Any, script: scripts.LuaScript, keys: Sequence[str], args: Sequence[Any]
+) -> Any:
+    try:
+        return scripts.run(client, script, keys, args)
+    except ResponseError as exc:  # this renewal's own error: the others still go out
+        return exc
 
 
 watchdog = Watchdog()

@@ -24,9 +24,12 @@ __all__ = [
     "await_until",
     "cache_options",
     "caches_with",
+    "cancel_repeatedly",
     "dedicated_redis",
+    "forget_scripts_but",
     "held_shared",
     "run_worker",
+    "script_parked",
     "take_and_release",
     "wait_until",
 ]
@@ -81,6 +84,46 @@ async def await_until(
         if time.monotonic() >= deadline:
             raise AssertionError(f"Timed out after {timeout}s waiting for {what}.")
         await asyncio.sleep(interval)
+
+
+async def cancel_repeatedly(acquiring: Callable[[], Any], rng: Any, *, cancels: int = 3) -> bool:
+    """Start ``acquiring()`` as a task and cancel it ``cancels`` times, a few loop steps apart.
+
+    Each cancel comes 0 to 5 loop steps after the one before, as an AnyIO-style
+    cancel scope re-delivers its cancel at every await; the steps themselves
+    are the synchronisation, no sleeps stand in for it. Return what the task
+    returned, or False if it ended cancelled.
+    """
+    task = asyncio.ensure_future(acquiring())
+    for _ in range(cancels):
+        for _ in range(rng.randint(0, 5)):
+            await asyncio.sleep(0)
+        task.cancel()
+    try:
+        return bool(await task)
+    except asyncio.CancelledError:
+        return False
+
+
+def forget_scripts_but(client: Any, *kept: Any) -> None:
+    """Empty the server's script cache (as a restart or failover does), then load ``kept``.
+
+    A script the server no longer knows costs its next caller three round
+    trips (NOSCRIPT, SCRIPT LOAD, EVALSHA) instead of one.
+    """
+    client.script_flush()
+    for script in kept:
+        client.script_load(script.source)
+
+
+def script_parked(client: Any) -> bool:
+    """Return True when a script call waits at a server whose writes are paused (CLIENT PAUSE).
+
+    CLIENT LIST names each client's last command; a paused one is flagged blocked.
+    """
+    return any(
+        c.get("cmd") == "evalsha" and "b" in c.get("flags", "") for c in client.client_list()
+    )
 
 
 def run_worker(script: str, *args: str, timeout: float = 120) -> subprocess.Popen[str]:

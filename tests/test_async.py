@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import random
 import threading
 import time
 from typing import Any
@@ -24,10 +25,19 @@ from django_redis_mutex import (
     held_locks,
     mutex,
     reset,
+    scripts,
     signals,
 )
 
-from .helpers import await_until, cache_options, caches_with, dedicated_redis
+from .helpers import (
+    await_until,
+    cache_options,
+    caches_with,
+    cancel_repeatedly,
+    dedicated_redis,
+    forget_scripts_but,
+    script_parked,
+)
 
 
 async def waiters(name: str) -> int:
@@ -509,6 +519,85 @@ def test_cancelling_aacquire_during_its_first_round_trip_leaves_no_lock_held(
     while raw.exists(key) and time.monotonic() < deadline:
         time.sleep(0.02)
     assert not raw.exists(key)
+
+
+def test_an_acquisition_cancelled_again_while_it_stops_never_leaves_the_lock_to_nobody(
+    raw: Any,
+) -> None:
+    # A second cancel used to cut short the wait for the ACQUIRE in flight: its
+    # CANCEL reached Redis first, and the ACQUIRE then granted the lock (or a
+    # place in line) to a token nobody had, for the whole lease. An emptied
+    # script cache (a restart, a failover) makes the ACQUIRE three round trips
+    # (NOSCRIPT, SCRIPT LOAD, EVALSHA) while the give-back scripts take one.
+    rng = random.Random(20)
+    name = "cancelled-twice"
+
+    async def attempt(contended: bool) -> None:
+        holder = Mutex(name, ttl=8, watchdog=False)
+        if contended:
+            assert await holder.aacquire(blocking=False)
+        forget_scripts_but(raw, scripts.CANCEL, scripts.RELEASE, scripts.WAKE)
+        contender = Mutex(name, ttl=8, watchdog=False, timeout=10)
+        if await cancel_repeatedly(contender.aacquire, rng):
+            await contender.arelease()  # it got the lock before the cancels: its to give back
+        assert contender.token is None
+        if contended:
+            await holder.arelease()
+        # Nobody holds the lock, nobody waits for it: another owner gets it at once.
+        probe = Mutex(name, ttl=8, watchdog=False)
+        assert await probe.aacquire(timeout=1.0), f"held by {raw.hgetall(probe.keys.lock)}"
+        await probe.arelease()
+
+    async def main() -> None:
+        for i in range(60):
+            await attempt(contended=i % 2 == 1)
+
+    asyncio.run(main())
+
+
+def test_a_waiter_cancelled_while_lengthening_its_hand_over_lease_gives_the_lock_back() -> None:
+    # Without the watchdog, a waiter handed the lock lengthens the short
+    # hand-over lease itself before aacquire() returns. A cancel landing there
+    # used to leave the hold on the handle with nothing to give it back.
+    with dedicated_redis() as (_server, client):
+
+        async def attempt(name: str) -> float | None:
+            """Return how soon after the cancel another owner got the lock (None: cancel lost)."""
+            holder = Mutex(name, ttl=8, watchdog=False)
+            assert await holder.aacquire()
+            waiter = Mutex(name, ttl=8, watchdog=False, timeout=10)
+            waiting = asyncio.ensure_future(waiter.aacquire())
+            assert await await_until(lambda: _one_waiter(name))
+            await holder.arelease()  # hands the lock to the waiter and wakes it
+            # Before the waiter runs again: its EXTEND will wait 1 s at the server.
+            client.client_pause(1000, all=False)
+            await await_until(lambda: script_parked(client), what="the waiter's EXTEND")
+            waiting.cancel()
+            try:
+                await waiting
+            except asyncio.CancelledError:
+                pass
+            else:
+                # On Python < 3.12 redis-py's send (asyncio.wait_for) can swallow a
+                # cancel landing as the send completes: the caller then has the lock.
+                await waiter.arelease()
+                return None
+            cancelled = time.monotonic()
+            assert waiter.token is None
+            probe = Mutex(name, ttl=8, watchdog=False)
+            assert await probe.aacquire(timeout=6.0)
+            took = time.monotonic() - cancelled
+            await probe.arelease()
+            return took
+
+        async def main() -> list[float]:
+            tries = [await attempt(f"handed-{i}") for i in range(4)]
+            return [took for took in tries if took is not None]
+
+        took = asyncio.run(main())
+    assert took, "every cancel was lost in a send"
+    # Free once the pause ends, not when the 4 s hand-over lease runs out.
+    assert max(took) < 2.5, took
 
 
 def test_a_failing_lock_acquired_receiver_gives_back_without_blocking_the_loop(

@@ -23,6 +23,8 @@ import redis
 from django.conf import settings
 from django.core.exceptions import ImproperlyConfigured
 from django.test import override_settings
+from redis.backoff import NoBackoff
+from redis.retry import Retry
 
 from django_redis_mutex import (
     LockBackendUnavailable,
@@ -302,8 +304,9 @@ def test_release_failing_while_redis_is_down_can_be_retried_when_it_is_back():
             lock.release()
         assert lock.token == token
         server.start()
-        assert lock.owned()
+        # The retry releases it, or finds that the background give-back did.
         lock.release()
+        assert lock.token is None
         assert not lock.locked()
 
 
@@ -375,3 +378,117 @@ def test_a_master_demoted_to_replica_makes_acquire_raise_backend_unavailable():
             assert client.dbsize() == 0
         finally:
             client.close()
+
+
+# -- A call whose reply never came leaves nothing held once Redis answers again. -------------
+
+
+def _handle(kind: str) -> Any:
+    """A lock or a one-permit semaphore "slow" with an 8 s lease and no watchdog."""
+    if kind == "lock":
+        return Mutex("slow", ttl=8, watchdog=False)
+    return Semaphore("slow", 1, ttl=8, watchdog=False)
+
+
+@contextmanager
+def busy(server: RedisServer, seconds: float) -> Iterator[None]:
+    """Keep ``server`` busy (DEBUG SLEEP on a connection of its own) for ``seconds``.
+
+    Enter once it no longer answers; leave once it answers again.
+    """
+    sleeper = redis.Redis(port=server.port)
+    # No retries: a ping that times out means the server is asleep.
+    pinger = redis.Redis(port=server.port, socket_timeout=0.1, retry=Retry(NoBackoff(), 0))
+    thread = threading.Thread(target=sleeper.execute_command, args=("DEBUG", "SLEEP", seconds))
+    thread.start()
+
+    def asleep() -> bool:
+        try:
+            pinger.ping()
+        except redis.TimeoutError:
+            return True
+        return False
+
+    try:
+        wait_until(asleep, 5, "the server to fall asleep")
+        yield
+    finally:
+        thread.join(seconds + 10)
+        sleeper.close()
+        pinger.close()
+
+
+def _acquired_by_another(kind: str) -> float:
+    """Return how long another owner waited for "slow" (it must get it within 4 s)."""
+    started = time.monotonic()
+    other = _handle(kind)
+    assert other.acquire(timeout=4.0), "still held by the call that timed out"
+    waited = time.monotonic() - started
+    other.release()
+    return waited
+
+
+@pytest.mark.parametrize("driven", ["sync", "async"])
+@pytest.mark.parametrize("kind", ["lock", "semaphore"])
+def test_an_acquire_whose_reply_timed_out_holds_nothing_once_redis_answers_again(
+    kind: str, driven: str
+) -> None:
+    # The server runs the ACQUIRE it had read once it wakes: without a give-back
+    # the lock or permit went to a token nobody had, for its whole 8 s lease.
+    with dedicated("--enable-debug-command", "yes", options=cache_options(socket_timeout=0.5)) as (
+        server
+    ):
+        if driven == "sync":
+            warm = _handle(kind)  # scripts loaded, a connection in the pool
+            assert warm.acquire()
+            warm.release()
+            with busy(server, 3.0), pytest.raises(LockBackendUnavailable):
+                _handle(kind).acquire()
+        else:
+
+            async def main() -> None:
+                warm = _handle(kind)
+                assert await warm.aacquire()
+                await warm.arelease()
+                with busy(server, 3.0), pytest.raises(LockBackendUnavailable):
+                    await _handle(kind).aacquire()
+
+            asyncio.run(main())
+        # The server answers again.
+        assert _acquired_by_another(kind) < 2.0
+
+
+@pytest.mark.parametrize("driven", ["sync", "async"])
+@pytest.mark.parametrize("kind", ["lock", "semaphore"])
+def test_a_release_redis_never_answered_is_given_back_and_can_still_be_retried(
+    kind: str, driven: str
+) -> None:
+    # Writes paused past the socket timeout: the RELEASE parked at the server
+    # is dropped with its connection, and the lock or permit stayed held for
+    # its whole 8 s lease although its owner had left.
+    with dedicated(options=cache_options(socket_timeout=0.5)) as server:
+        pauser = redis.Redis(port=server.port)
+        holder = _handle(kind)
+
+        async def arelease() -> None:
+            await holder.arelease()
+
+        def release() -> None:
+            if driven == "sync":
+                holder.release()
+            else:
+                asyncio.run(arelease())
+
+        assert holder.acquire()
+        pauser.client_pause(1500, all=False)
+        paused = time.monotonic()
+        with pytest.raises(LockBackendUnavailable):
+            release()
+        assert holder.token is not None  # kept for a retry
+        pauser.set("writes-flow", 1)  # parked until the pause ends
+        resumed = time.monotonic()
+        assert resumed - paused < 3.0
+        assert _acquired_by_another(kind) < 2.0
+        release()  # the caller's retry finds it given back: no LockNotOwned, no LockLost
+        assert holder.token is None
+        pauser.close()

@@ -85,6 +85,65 @@ def test_a_waiter_whose_loop_stalls_through_its_hand_over_lease_asks_redis_befor
     assert entered[0] >= third["out"], (entered[0] - third["in"], third["out"] - third["in"])
 
 
+def test_a_waiter_whose_loop_stalls_after_it_was_woken_asks_redis_before_entering() -> None:
+    # The wake-up came in time and passed its check; then the loop stalled
+    # (here in a callback queued by a lock_waiting receiver) past the 4 s
+    # hand-over lease but within the 8 s TTL, before the hold was adopted
+    # and watched. The lapsed hand-over went to the next waiter; the stalled
+    # waiter used to enter beside it.
+    name = "stalled-after-wake"
+    holder = Mutex(name, ttl=8, watchdog=False)
+    assert holder.acquire()
+    loop_box: list[asyncio.AbstractEventLoop] = []
+    resumed = threading.Event()
+    entered: list[float] = []
+    third: dict[str, float] = {}
+
+    def stall() -> None:
+        time.sleep(6.0)  # the event loop is frozen: past the hand-over lease, within the TTL
+        resumed.set()
+
+    def stall_after_wake(sender: Any, **kwargs: Any) -> None:
+        running = asyncio._get_running_loop()
+        ours = running is not None and running is loop_box[0]
+        if ours and not kwargs["waiting"] and not resumed.is_set():
+            running.call_soon(stall)
+
+    async def waiter() -> None:
+        loop_box.append(asyncio.get_running_loop())
+        lock = Mutex(name, ttl=8, timeout=30)
+        assert await lock.aacquire()
+        entered.append(time.monotonic())
+        await lock.arelease()
+
+    def third_party() -> None:
+        lock = Mutex(name, ttl=8, timeout=30)
+        assert lock.acquire()
+        third["in"] = time.monotonic()
+        # Hold until the stalled waiter's loop has resumed, and a while after.
+        assert resumed.wait(30)
+        wait_until(lambda: time.monotonic() - third["in"] > 4.0, 10, "the third party's hold")
+        third["out"] = time.monotonic()
+        lock.release()
+
+    signals.lock_waiting.connect(stall_after_wake)
+    try:
+        waiter_thread = threading.Thread(target=lambda: asyncio.run(waiter()))
+        waiter_thread.start()
+        wait_until(lambda: _queue_length(name) == 1, 10, "the async waiter to queue")
+        third_thread = threading.Thread(target=third_party)
+        third_thread.start()
+        wait_until(lambda: _queue_length(name) == 2, 10, "the third party to queue")
+        holder.release()  # hands the lock to the async waiter, with a 4 s lease
+        third_thread.join(40)
+        waiter_thread.join(40)
+    finally:
+        signals.lock_waiting.disconnect(stall_after_wake)
+    assert entered and "out" in third
+    # The third party took the lapsed hand-over; the stalled waiter entered only after it left.
+    assert entered[0] >= third["out"], (entered[0] - third["in"], third["out"] - third["in"])
+
+
 # -- quorum validity and per-master deadlines -----------------------------------------------
 
 

@@ -12,6 +12,7 @@ import copy
 import json
 import logging
 import os
+import random
 import signal
 import threading
 import time
@@ -38,11 +39,19 @@ from django_redis_mutex.keys import escape_name
 from django_redis_mutex.scripts import EXTEND, HANDOFF_LEASE, WAIT_LEASE
 from django_redis_mutex.semaphore import MAX_LIMIT, SemaphoreKeys
 from django_redis_mutex.semaphore import SCRIPTS as SEMAPHORE_SCRIPTS
-from django_redis_mutex.semaphore_scripts import SEM_EXTEND
+from django_redis_mutex.semaphore_scripts import SEM_CANCEL, SEM_EXTEND, SEM_RELEASE, SEM_WAKE
 from django_redis_mutex.testing import RedisClusterServers, RedisServer
 from django_redis_mutex.watchdog import get_watchdog
 
-from .helpers import await_until, caches_with, wait_until
+from .helpers import (
+    await_until,
+    caches_with,
+    cancel_repeatedly,
+    dedicated_redis,
+    forget_scripts_but,
+    script_parked,
+    wait_until,
+)
 from .proxy import Proxy
 from .test_cluster import HOSTILE_NAMES
 from .test_declared_keys import (  # the MONITOR-based check of the lock scripts
@@ -314,6 +323,82 @@ def test_a_cancelled_async_waiter_leaves_the_line_and_never_keeps_a_permit(
         return left_line, holders, free and waiter.token is None
 
     assert asyncio.run(main()) == (True, 1, True)
+
+
+def test_an_acquisition_cancelled_again_while_it_stops_never_leaves_a_permit_to_nobody(
+    raw: redis.Redis,
+) -> None:
+    # As for a lock (tests/test_async.py): a second cancel must not let the
+    # give-back overtake the SEM_ACQUIRE in flight, which would then grant a
+    # permit to a token nobody has. An emptied script cache makes the
+    # SEM_ACQUIRE three round trips while the give-back scripts take one.
+    rng = random.Random(21)
+    name = "cancelled-twice"
+
+    async def attempt(contended: bool) -> None:
+        holder = Semaphore(name, 1, ttl=8, watchdog=False)
+        if contended:
+            assert await holder.aacquire(blocking=False)
+        forget_scripts_but(raw, SEM_CANCEL, SEM_RELEASE, SEM_WAKE)
+        contender = Semaphore(name, 1, ttl=8, watchdog=False, timeout=10)
+        if await cancel_repeatedly(contender.aacquire, rng):
+            await contender.arelease()  # it got the permit before the cancels
+        assert contender.token is None
+        if contended:
+            await holder.arelease()
+        # No permit held, nobody in line: another holder gets it at once.
+        probe = Semaphore(name, 1, ttl=8, watchdog=False)
+        assert await probe.aacquire(timeout=1.0), holder_tokens(raw, name)
+        await probe.arelease()
+
+    async def main() -> None:
+        for i in range(60):
+            await attempt(contended=i % 2 == 1)
+
+    asyncio.run(main())
+
+
+@pytest.mark.parametrize("entered_by", ["async with", "decorator"])
+def test_a_task_cancelled_while_leaving_its_block_still_gives_the_permit_back(
+    entered_by: str,
+) -> None:
+    # The release is slowed by pausing writes at the server; the task is
+    # cancelled while its SEM_RELEASE waits there. Unshielded, the cancel cut
+    # the release off and the permit stayed held for the rest of its lease.
+    with dedicated_redis() as (_server, client):
+
+        async def main() -> float:
+            leaving = asyncio.Event()
+
+            async def body() -> None:
+                leaving.set()
+                client.client_pause(300, all=False)  # the release's write waits 0.3 s
+
+            if entered_by == "async with":
+
+                async def hold() -> None:
+                    async with Semaphore("slow-exit", 1, ttl=8, watchdog=False):
+                        await body()
+
+            else:
+                hold = semaphore("slow-exit", 1, ttl=8, watchdog=False)(body)
+            task = asyncio.ensure_future(hold())
+            await leaving.wait()
+            await await_until(
+                lambda: script_parked(client),
+                what="the release to reach Redis",
+            )
+            task.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await task
+            left = time.monotonic()
+            probe = Semaphore("slow-exit", 1, ttl=8, watchdog=False)
+            assert await probe.aacquire(timeout=6.0)
+            await probe.arelease()
+            return time.monotonic() - left
+
+        # Free once the pause ends, well before the 8 s lease would have.
+        assert asyncio.run(main()) < 3.0
 
 
 def test_the_decorator_fills_the_name_template_per_call(raw: redis.Redis) -> None:

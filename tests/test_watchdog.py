@@ -113,3 +113,30 @@ def test_max_hold_stops_renewal_of_a_hung_holder(caplog):
             assert wait_until(lambda: not hung.locked(), timeout=5)
     assert any("hung" in r.getMessage() and "MAX_HOLD" in r.getMessage() for r in caplog.records)
     assert Mutex("hung", watchdog=False).acquire(blocking=False)
+
+
+def test_one_renewal_failing_in_a_round_does_not_cost_the_other_holds_their_renewal(raw):
+    # A pipeline raises its first error and drops every other reply: one lock
+    # key overwritten with a string (EXTEND then fails with WRONGTYPE) used to
+    # fail the whole round, every round, until the other locks expired.
+    survivor = Mutex("survivor", ttl=1.2, watchdog=False)
+    victim = Mutex("victim", ttl=1.2, watchdog=False)
+    assert survivor.acquire() and victim.acquire()
+    holds = [survivor._hold, victim._hold]
+    # Both due at the same moment, so the lane renews them in one pipeline.
+    due_from = time.monotonic()
+    for hold in holds:
+        hold.confirm(hold.alias, due_from, 1.2)
+    raw.set(victim.keys.lock, "not a lock")
+    for hold in holds:
+        get_watchdog().watch(hold)
+    try:
+        assert wait_until(lambda: victim.lost, timeout=5, what="the victim to be found lost")
+        # Past two of the survivor's leases: only renewal keeps it.
+        time.sleep(max(0.0, due_from + 2.5 - time.monotonic()))
+        assert survivor.owned()
+        assert not survivor.lost
+    finally:
+        get_watchdog().unwatch(holds[0])
+        survivor.release()
+        raw.delete(victim.keys.lock)
