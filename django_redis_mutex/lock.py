@@ -956,9 +956,16 @@ class Mutex:
         except LockBackendUnavailable as exc:
             self._forget(hold, unwatched=True)
             logger.error(
-                "Could not give back lock %r after its transaction ended (its lease ends it): %s",
+                "Could not give back lock %r after its transaction ended; retrying in the "
+                "background: %s",
                 self.name,
                 exc,
+            )
+            # Its owner has left: nothing may keep it until its lease ends.
+            give_back_later(
+                f"lock {self.name!r} (fence {hold.fence})",
+                lambda: self._release_steps(hold),
+                hold.ttl,
             )
             return
         if not released:

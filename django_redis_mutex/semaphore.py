@@ -599,10 +599,15 @@ class Semaphore:
         except LockBackendUnavailable as exc:
             permit.active = False
             logger.error(
-                "Could not give back a permit of semaphore %r after its transaction ended "
-                "(its lease ends it): %s",
+                "Could not give back a permit of semaphore %r after its transaction ended; "
+                "retrying in the background: %s",
                 self.name,
                 exc,
+            )
+            give_back_later(
+                f"a permit of semaphore {self.name!r}",
+                lambda: self._release_steps(permit),
+                permit.ttl,
             )
             return
         permit.active = False

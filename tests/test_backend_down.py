@@ -22,6 +22,7 @@ import pytest
 import redis
 from django.conf import settings
 from django.core.exceptions import ImproperlyConfigured
+from django.db import transaction
 from django.test import override_settings
 from redis.backoff import NoBackoff
 from redis.retry import Retry
@@ -491,4 +492,22 @@ def test_a_release_redis_never_answered_is_given_back_and_can_still_be_retried(
         assert _acquired_by_another(kind) < 2.0
         release()  # the caller's retry finds it given back: no LockNotOwned, no LockLost
         assert holder.token is None
+        pauser.close()
+
+
+@pytest.mark.django_db(transaction=True)
+@pytest.mark.parametrize("kind", ["lock", "semaphore"])
+def test_a_give_back_after_the_commit_that_redis_never_answered_is_retried(kind: str) -> None:
+    # A lock kept for its transaction is given back by the COMMIT's hook; Redis
+    # not answering then must not leave it held for its whole lease.
+    with dedicated(options=cache_options(socket_timeout=0.5)) as server:
+        pauser = redis.Redis(port=server.port)
+        with transaction.atomic():
+            with _handle(kind):
+                pass
+            pauser.client_pause(1500, all=False)
+            paused = time.monotonic()
+        pauser.set("writes-flow", 1)  # parked until the pause ends
+        assert time.monotonic() - paused < 3.0
+        assert _acquired_by_another(kind) < 2.0
         pauser.close()
