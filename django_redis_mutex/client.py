@@ -14,6 +14,7 @@ import weakref
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any, Literal
+from urllib.parse import urlsplit
 
 from django.core.exceptions import ImproperlyConfigured
 from django.core.signals import setting_changed
@@ -53,6 +54,9 @@ REDIS_BACKENDS = (DJANGO_REDIS_BACKEND, DJANGO_BUILTIN_BACKEND)
 # migration) until redis-py's retries run out, or that is down, ran nothing.
 # A server demoted to replica under a plain client (a failover it was not
 # told of) answers READONLY at a script's first write, so nothing was written.
+# redis-py's cluster client also raises RedisClusterException, which is not a
+# RedisError: a slot no node covers while a failover is under way, or no seed
+# node answering while it looks for the cluster.
 UNAVAILABLE = (
     redis_errors.ConnectionError,
     redis_errors.TimeoutError,
@@ -60,6 +64,7 @@ UNAVAILABLE = (
     redis_errors.TryAgainError,
     redis_errors.ClusterError,
     redis_errors.ReadOnlyError,
+    redis_errors.RedisClusterException,
 )
 
 _lock = threading.Lock()
@@ -156,34 +161,62 @@ def _raw_client(alias: str, kind: str) -> redis.Redis:
 
 
 def _cluster_options(alias: str) -> tuple[str, dict[str, Any]]:
-    """Return the first LOCATION and the socket options of a CLUSTER alias."""
+    """Return the first LOCATION and the client options of a CLUSTER alias.
+
+    LOCATION may name several nodes (a list, or URLs separated by commas):
+    the first gives the connection options, and every one is a seed the
+    client may start from, so a client made while the first is down still
+    finds the cluster. Once connected, redis-py keeps every node it has seen
+    as a seed for finding the cluster again after a failover.
+    """
     entry = cache_entry(alias)
     location = entry.get("LOCATION", "")
-    if isinstance(location, (list, tuple)):
-        location = location[0] if location else ""
-    if isinstance(location, str) and "," in location:
-        location = location.split(",")[0]
-    if not isinstance(location, str) or not location:
+    if isinstance(location, str):
+        locations = [part.strip() for part in location.split(",") if part.strip()]
+    elif isinstance(location, (list, tuple)):
+        locations = [part for part in location if isinstance(part, str) and part]
+    else:
+        locations = []
+    if not locations:
         raise ImproperlyConfigured(
             f"CACHES[{alias!r}] has MUTEX CLUSTER set but no LOCATION naming a cluster node."
         )
+    location = locations[0]
     options = {str(k).lower(): v for k, v in (entry.get("OPTIONS") or {}).items()}
-    kwargs = {
+    kwargs: dict[str, Any] = {
         name: options[name]
         for name in ("socket_timeout", "socket_connect_timeout", "password", "username")
         if options.get(name) is not None
     }
+    if len(locations) > 1:
+        kwargs["seeds"] = [_host_port(alias, url) for url in locations[1:]]
     return location, kwargs
+
+
+def _host_port(alias: str, url: str) -> tuple[str, int]:
+    """Return the host and port a cluster seed URL names."""
+    parts = urlsplit(url)
+    try:
+        port = parts.port or 6379
+    except ValueError:
+        port = None
+    if not parts.hostname or port is None:
+        raise ImproperlyConfigured(
+            f"CACHES[{alias!r}] LOCATION {url!r} does not name a cluster node as redis://host:port."
+        )
+    return parts.hostname, port
 
 
 def _cluster_client(alias: str, **overrides: Any) -> Any:
     # django-redis and Django's backend cannot talk to a Redis Cluster; for a
     # lock alias marked CLUSTER the app asks redis-py's own cluster client,
     # which routes each script by its keys' (shared) hash slot.
-    from redis.cluster import RedisCluster
+    from redis.cluster import ClusterNode, RedisCluster
 
     location, kwargs = _cluster_options(alias)
-    return RedisCluster.from_url(location, **{**kwargs, **overrides})
+    node: Any = ClusterNode  # untyped in redis-py
+    seeds = [node(host, port) for host, port in kwargs.pop("seeds", ())]
+    return RedisCluster.from_url(location, startup_nodes=seeds, **{**kwargs, **overrides})
 
 
 def get_client(alias: str) -> Any:
@@ -497,14 +530,15 @@ async def get_async_client(
     client = per_loop.get(key)
     if client is None:
         if get_settings(alias).cluster:
-            from redis.asyncio.cluster import RedisCluster
+            from redis.asyncio.cluster import ClusterNode, RedisCluster
 
             location, kwargs = _cluster_options(alias)
+            seeds = [ClusterNode(host, port) for host, port in kwargs.pop("seeds", ())]
             if read_timeout is not None:
                 kwargs["socket_timeout"] = read_timeout
             if connect_timeout is not None:
                 kwargs["socket_connect_timeout"] = connect_timeout
-            client = RedisCluster.from_url(location, **kwargs)
+            client = RedisCluster.from_url(location, startup_nodes=seeds, **kwargs)
         else:
             pool = _async_pool_for(get_client(alias))
             if not hasattr(pool, "sentinel_manager"):

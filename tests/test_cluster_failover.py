@@ -31,7 +31,7 @@ import pytest
 import redis
 
 from django_redis_mutex import LockNotOwned, Mutex, held_locks
-from django_redis_mutex.client import namespace
+from django_redis_mutex.client import clear_clients, namespace
 from django_redis_mutex.keys import LockKeys
 from django_redis_mutex.testing import RedisClusterServers
 
@@ -281,3 +281,39 @@ def test_a_wait_that_redis_unblocks_goes_on_until_the_lock_is_handed_over(
     thread.join(20)
 
     assert len(fences) == 1 and fences[0] > first
+
+
+def test_a_cluster_alias_goes_on_when_its_seed_node_dies(
+    cluster: RedisClusterServers, mutex_prefix: str
+) -> None:
+    # LOCATION names the first primary first, and a second node as a spare seed.
+    seed = cluster.nodes[0]
+    spare = cluster.nodes[1]
+    entry = cluster_entry(cluster, mutex_prefix, TIMEOUT=1)
+    entry["LOCATION"] = f"{seed.url},{spare.url}"
+    seed_node = next(n for n in cluster_nodes(cluster) if n.port == seed.port)
+    replica = replica_of(cluster, seed_node)
+    [name] = names_in(seed_node.slots, 1, f"seed-{uuid.uuid4().hex[:6]}")
+    with extra_caches({ALIAS: entry}):
+        with Mutex(name, using=ALIAS):
+            pass  # the client has found the cluster through its seed
+        seed.kill()
+        errors: list[BaseException] = []
+
+        def taken() -> bool:
+            try:
+                lock = Mutex(name, using=ALIAS, blocking=False)
+                if lock.acquire():
+                    lock.release()
+                    return True
+            except Exception as exc:  # anything but LockBackendUnavailable fails below
+                errors.append(exc)
+            return False
+
+        wait_for_promotion(cluster, replica)
+        wait_until(taken, 30, "a lock on the promoted replica after the seed died")
+        # While the cluster failed over, callers met one error class only.
+        assert {type(error).__name__ for error in errors} <= {"LockBackendUnavailable"}
+        # A client made now starts from the dead seed and finds the spare.
+        clear_clients()
+        assert taken(), errors[-3:]
