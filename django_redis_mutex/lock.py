@@ -128,6 +128,9 @@ class Mutex:
     # The quorum variant registers itself here (see quorum.py), so this module
     # never imports it back.
     quorum_class: type[Mutex] | None = None
+    # Starts every exclusive token of this class: "q" marks a quorum lock's
+    # (see quorum.py); a shared token starts with "s".
+    token_prefix: str = ""
 
     def __new__(cls, name: str, *, using: str | Sequence[str] = "default", **options: Any) -> Mutex:
         # A list of aliases, or an alias whose MUTEX block names a QUORUM, makes
@@ -540,7 +543,11 @@ class Mutex:
         deadline = None if timeout is None else started + timeout
         # A shared token starts with "s", which no hex token does: the scripts
         # tell shared holders and waiters from exclusive ones by it.
-        token = "s" + secrets.token_hex(16) if self.shared else secrets.token_hex(16)
+        token = (
+            "s" + secrets.token_hex(16)
+            if self.shared
+            else self.token_prefix + secrets.token_hex(16)
+        )
         return token, started, deadline
 
     def _refused(self, reply: list[Any], started: float) -> None:
@@ -883,8 +890,8 @@ class Mutex:
             return
         kept = self._kept_for_transaction(hold)
         if kept is not None:
-            if kept:
-                run_steps(self._mark_steps(hold, kept))
+            if kept and not run_steps(self._mark_steps(hold, kept)):
+                self._lost_while_kept(hold)
             return
         # Stop renewing first: a renewal answered after our release would
         # otherwise report the lock as lost.
@@ -909,7 +916,9 @@ class Mutex:
         keeps renewing the lease meanwhile; the transaction's end gives the lock
         back (see transactions.py).
         """
-        if self.release_at_block_end:
+        if self.release_at_block_end or hold.lost:
+            # A hold already lost is not kept: its release tells the block,
+            # whose LockLost then rolls the transaction back.
             return None
         connections = open_transactions()
         if not connections:
@@ -933,14 +942,27 @@ class Mutex:
             )
         return list(wait.aliases) if newly else []
 
-    def _mark_steps(self, hold: Hold, databases: list[str]) -> Steps[None]:
+    def _mark_steps(self, hold: Hold, databases: list[str]) -> Steps[bool]:
         """Mark the owner record: kept until the transaction on ``databases`` ends.
 
-        Best effort: the mark only informs listings; a failure is logged.
+        Return False when Redis answered that the lock is no longer ours, so
+        the block is told before its transaction commits. A mark that failed
+        (logged) proves nothing either way: the hold is kept.
         """
         owner = mark_transaction(owner_metadata(self.label), databases)
-        for alias, key in hold.targets:
-            yield Script(alias, scripts.MARK_TRANSACTION, [key], [hold.token, owner], True)
+        _sent, marked = yield Script(
+            self.using, scripts.MARK_TRANSACTION, [self.keys.lock], [hold.token, owner], True
+        )
+        return bool(marked != 0)
+
+    def _lost_while_kept(self, hold: Hold) -> None:
+        """The lock was gone when its block ended in a transaction: tell the block."""
+        wait = hold.transaction_wait
+        if wait is not None:
+            wait.cancel()
+        hold.transaction_wait = None
+        transaction_ended(hold)
+        self._finish(hold, False)  # raises LockNotOwned: the block raises LockLost
 
     def _release_after_transaction(self, hold: Hold) -> None:
         """Give back a hold kept for a transaction that has just committed or rolled back."""
@@ -989,8 +1011,8 @@ class Mutex:
             return
         kept = self._kept_for_transaction(hold)
         if kept is not None:
-            if kept:
-                await AsyncDriver().run(self._mark_steps(hold, kept))
+            if kept and not await AsyncDriver().run(self._mark_steps(hold, kept)):
+                self._lost_while_kept(hold)
             return
         get_watchdog().unwatch(hold)
         try:

@@ -37,10 +37,10 @@ from .client import UNAVAILABLE, get_client, namespace
 from .conf import get_settings, validate_aliases
 from .driver import Each, Fanned, Sleep, Steps
 from .exceptions import LockBackendUnavailable
-from .holds import Hold, decode
+from .holds import Hold, decode, owner_metadata
 from .keys import LockKeys
 from .lock import Grant, Mutex
-from .owners import Owner, parse_owner
+from .owners import Owner, mark_transaction, parse_owner
 
 __all__ = ["QuorumMutex"]
 
@@ -66,6 +66,8 @@ class QuorumMutex(Mutex):
     ``"QUORUM": [...]``. Settings (TTL, TIMEOUT, QUORUM_TIMEOUT, ...) come from
     that alias, or from the first alias of the list.
     """
+
+    token_prefix = "q"
 
     def __init__(self, name: str, *, using: Any = "default", **options: Any) -> None:
         aliases = _quorum_aliases(using)
@@ -146,6 +148,27 @@ class QuorumMutex(Mutex):
         self._contention = (pttl, owner, time.monotonic() - started)
         return None
 
+    def _unless_held_alone(self, grant: Grant, fanned: Fanned) -> Steps[Grant | None]:
+        """Return ``grant``, or None when a master that refused is held by a lock of its own.
+
+        ``Mutex(name, using="r1")`` and the quorum lock of the same name on
+        r1, r2 and r3 are one lock: the plain lock refuses while the quorum
+        holds r1, and the quorum, having won r2 and r3, still gives way to a
+        plain lock it finds on r1.
+        """
+        refused = tuple(
+            (alias, (self.member_keys[alias].lock,))
+            for alias in fanned.replies
+            if alias not in grant.leases
+        )
+        asked = yield Each(scripts.HELD_ALONE, refused, [], self.master_timeout)
+        alone = [alias for alias, reply in asked.replies.items() if reply == 1]
+        if not alone:
+            return grant
+        reply = fanned.replies[alone[0]]
+        self._contention = (int(reply[1]), reply[2] or None, self._contention[2])
+        return None
+
     def _retry_delay(self, deadline: float | None) -> float:
         delay = random.uniform(*RETRY_DELAY)
         pttl = self._contention[0]
@@ -168,6 +191,8 @@ class QuorumMutex(Mutex):
         while True:
             fanned = yield acquire
             grant = self._judge(fanned, started)
+            if grant is not None and len(grant.leases) < len(fanned.replies):
+                grant = yield from self._unless_held_alone(grant, fanned)
             if grant is None:
                 # Undo on every master: one whose reply was lost may have granted it.
                 yield release_all
@@ -199,6 +224,16 @@ class QuorumMutex(Mutex):
         # Masters that did not answer may still hold our key until it expires;
         # the hold was ours unless the answering ones show a majority lost it.
         return released + len(fanned.errors) >= self.quorum
+
+    def _mark_steps(self, hold: Hold, databases: list[str]) -> Steps[bool]:
+        """Mark the owner record on every master at once, each within QUORUM_TIMEOUT.
+
+        Return False when too few masters still hold our key for a majority.
+        """
+        owner = mark_transaction(owner_metadata(self.label), databases)
+        fanned = yield self._each(scripts.MARK_TRANSACTION, _lock_key, [hold.token, owner])
+        marked = sum(1 for reply in fanned.replies.values() if reply)
+        return marked + len(fanned.errors) >= self.quorum
 
     def _extend_steps(self, hold: Hold, ttl: float) -> Steps[bool]:
         fanned = yield self._each(scripts.EXTEND, _lock_key, [hold.token, scripts.lease_ms(ttl)])

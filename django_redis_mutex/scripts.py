@@ -611,6 +611,24 @@ return 1
 )
 
 
+# HELD_ALONE: does a lock taken on this Redis alone (not a quorum's, whose
+# tokens start with 'q') hold the lock here? Asked by a quorum acquisition that
+# a master refused: a name means one lock, whether it is taken on one member
+# or on the quorum.
+# KEYS[1] lock.  Returns 1 if such a lock holds it (exclusive or shared), else 0.
+HELD_ALONE = LuaScript(
+    "held_alone",
+    r"""
+local token = redis.call('HGET', KEYS[1], 'token')
+if token then
+  if string.sub(token, 1, 1) == 'q' then return 0 end
+  return 1
+end
+return redis.call('EXISTS', KEYS[1])
+""",
+)
+
+
 # RAISE_FENCE: after a quorum acquisition, make every master's counter at least
 # the fence handed out, so the next majority (which overlaps this one) counts on
 # from above it.

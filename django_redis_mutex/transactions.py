@@ -102,16 +102,26 @@ def _mark_reads(
     """An execute wrapper: note when a transaction ran its first query."""
     connection = context["connection"]
     if connection.in_atomic_block:
-        # The transaction is known by its list of commit callbacks: Django
-        # starts a new list whenever a transaction ends. (Not by its outermost
-        # atomic block: ``@transaction.atomic`` reuses one for every call.)
-        transaction = connection.run_on_commit
+        transaction = _transaction_of(connection)
         noted = getattr(connection, "_mutex_first_query", None)
-        if (noted is None or noted[0] is not transaction) and not (
+        if (noted is None or noted[0] != transaction) and not (
             isinstance(sql, str) and sql.lstrip().upper().startswith(_TRANSACTION_CONTROL)
         ):
             connection._mutex_first_query = (transaction, time.monotonic())
     return execute(sql, params, many, context)
+
+
+def _transaction_of(connection: Any) -> tuple[int, Any]:
+    """Return what tells the open transaction of ``connection`` from earlier ones.
+
+    Its outermost atomic block alone does not (``@transaction.atomic`` reuses
+    one for every call), so with the identity of its list of commit
+    callbacks, which Django replaces whenever a transaction ends. Neither is
+    kept alive here: a list held on to would keep the commit hooks of a
+    rolled-back transaction from being freed (see TransactionWait).
+    """
+    blocks = connection.atomic_blocks
+    return id(connection.run_on_commit), weakref.ref(blocks[0]) if blocks else None
 
 
 def watch_connection(sender: Any, connection: Any, **kwargs: Any) -> None:
@@ -143,7 +153,7 @@ def warn_if_read_before(name: str, connections: list[Any], acquired_at: float) -
         if noted is None:
             continue
         transaction, first = noted
-        if transaction is connection.run_on_commit and first < acquired_at:
+        if transaction == _transaction_of(connection) and first < acquired_at:
             warnings.warn(
                 f"Lock {name!r} was taken inside a transaction on database "
                 f"{connection.alias!r} that had already queried it: the lock does not "
@@ -176,6 +186,11 @@ class TransactionWait:
     def done(self) -> bool:
         """True once the lock was handed back to ``give_back``."""
         return self._done
+
+    def cancel(self) -> None:
+        """Give nothing back when the transactions end (the lock was found lost)."""
+        with self._lock:
+            self._done = True
 
     def add(self, connections: list[Any]) -> None:
         """Also wait for the transactions now open on ``connections``."""

@@ -201,3 +201,22 @@ def test_a_quorum_lock_inside_a_transaction_is_kept_until_it_ends(
             pass
         assert not free_for_others(), "the quorum lock went back before the COMMIT"
     assert free_for_others()
+
+
+@pytest.mark.parametrize("plain_first", [True, False], ids=["plain-first", "quorum-first"])
+def test_a_plain_lock_on_a_member_and_the_quorum_lock_of_its_name_exclude_each_other(
+    quorum_caches: list[RedisServer], plain_first: bool
+) -> None:
+    plain = Mutex("inventory", using="r1", blocking=False)
+    quorum = Mutex("inventory", using="locks", blocking=False)
+    first, second = (plain, quorum) if plain_first else (quorum, plain)
+    assert first.acquire()
+    try:
+        for _ in range(5):  # the quorum wins r2 and r3, and still gives way
+            assert not second.acquire()
+    finally:
+        first.release()
+    assert second.acquire()
+    second.release()
+    # Nothing of the refused quorum attempts is left on any master.
+    assert all(not held_locks(using=alias) for alias in ALIASES)

@@ -76,8 +76,13 @@ def tokens_at(masters: list[RedisServer], name: str) -> list[str | None]:
     return found
 
 
+# Another quorum owner's token ("q..."), whose lock is left on some masters (as
+# when its release had not reached them).
+FOREIGN = "qforeign-token"
+
+
 def clog(masters: list[RedisServer], which: tuple[int, ...], name: str) -> None:
-    """Put another owner's lock (a full lock hash, 10 s lease) at the lock key on ``which``."""
+    """Put another quorum owner's lock (a full hash, 10 s lease) at the lock key on ``which``."""
     key = lock_key(name)
     for index in which:
         client = redis.Redis(port=masters[index].port)
@@ -85,7 +90,7 @@ def clog(masters: list[RedisServer], which: tuple[int, ...], name: str) -> None:
             client.hset(
                 key,
                 mapping={
-                    "token": "foreign-token",
+                    "token": FOREIGN,
                     "fence": "7",
                     "owner": json.dumps(FOREIGN_OWNER),
                     "acquired": str(int(time.time() * 1000)),
@@ -219,12 +224,10 @@ def test_one_clogged_master_does_not_stop_acquisition(
         ours = lock.token
         held = tokens_at(quorum, "clogged")
 
-    assert [t == "foreign-token" for t in held] == [i in clogged for i in range(3)]
+    assert [t == FOREIGN for t in held] == [i in clogged for i in range(3)]
     assert held.count(ours) == 2
     # Releasing deletes only our own keys: the foreign lock is left alone.
-    assert tokens_at(quorum, "clogged") == [
-        "foreign-token" if i in clogged else None for i in range(3)
-    ]
+    assert tokens_at(quorum, "clogged") == [FOREIGN if i in clogged else None for i in range(3)]
 
 
 @pytest.mark.parametrize(
@@ -242,9 +245,7 @@ def test_a_majority_of_clogged_masters_refuses_acquisition(
     assert caught.value.owner == Owner(**FOREIGN_OWNER)
     assert caught.value.retry_after >= 1
     # A grant on an unclogged master was undone.
-    assert tokens_at(quorum, "clogged") == [
-        "foreign-token" if i in clogged else None for i in range(3)
-    ]
+    assert tokens_at(quorum, "clogged") == [FOREIGN if i in clogged else None for i in range(3)]
 
 
 def test_a_majority_of_clogged_masters_times_out_a_blocking_acquire(
@@ -265,7 +266,7 @@ def test_one_master_clogged_with_a_foreign_string_does_not_stop_acquisition(
     # redsync and most Redlock clients store a lock as a plain string.
     client = redis.Redis(port=quorum[1].port)
     try:
-        client.set(lock_key("clogged"), "foreign-token", px=10_000)
+        client.set(lock_key("clogged"), FOREIGN, px=10_000)
     finally:
         client.close()
 
@@ -323,7 +324,7 @@ def test_release_with_one_master_down_succeeds_for_a_lock_held_on_two_masters(
 
     lock.release()  # q1 lets go and q2 is gone: no majority can hold it any more
 
-    assert tokens_at(quorum, "job") == [None, None, "foreign-token"]
+    assert tokens_at(quorum, "job") == [None, None, FOREIGN]
 
 
 def test_release_with_two_masters_down_is_backend_unavailable(quorum: list[RedisServer]) -> None:

@@ -29,11 +29,13 @@ from django.test import Client
 
 from django_redis_mutex import (
     LockAfterReadWarning,
+    LockLost,
     Mutex,
     Semaphore,
     held_locks,
     held_semaphores,
     mutex,
+    reset,
     semaphore,
     signals,
 )
@@ -564,6 +566,23 @@ def test_a_kept_shared_hold_says_so_in_its_holder_record(
         [listed] = [lock for lock in held_locks() if lock.name == name]
         [holder] = listed.holders
         assert holder.owner.transaction == (alias,)
+
+
+@pytest.mark.parametrize("noticed", [False, True], ids=["found-at-exit", "noticed-before"])
+def test_a_lock_lost_inside_its_transaction_raises_and_the_transaction_rolls_back(
+    alias: str, row: int, django_db_blocker: Any, noticed: bool
+) -> None:
+    name = f"rows:{alias}:{row}"
+    with django_db_blocker.unblock():
+        locked = mutex(name, ttl=1, watchdog=noticed)
+        with pytest.raises(LockLost), transaction.atomic(using=alias), locked as lock:
+            Counter.objects.using(alias).filter(pk=row).update(value=9)
+            assert reset(name)  # an operator takes it away
+            if noticed:
+                wait_until(lambda: lock.lost, 5, "the watchdog to notice the loss")
+        # The block raised before the COMMIT: nothing written under the lost lock stays.
+        assert value_of(alias, row) == 0
+        assert _free_for_others(name)
 
 
 def test_release_at_block_end_gives_the_lock_back_inside_the_transaction(
