@@ -1237,6 +1237,8 @@ class _Checker:
             exited = body.exited_at if body.exited_at is not None else body.result_at
             if exited is not None and body.told_at <= exited:
                 when = "before it left" if body.told_at <= body.leave else "while it exited"
+                if body.exited_at is not None:
+                    when += " (its lock kept for its transaction, which then committed)"
                 self.violations.append(
                     Violation(
                         "loss hidden at exit",
