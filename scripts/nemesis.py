@@ -8,7 +8,9 @@ Usage (from the repository root)::
     uv run python scripts/nemesis.py --seed 1234 --keep       # keep journals and logs
 
 Each topology gets its own redis-server(s) on free ports (``single``: one;
-``quorum``: three masters plus one for an unrelated single-alias lock), worker
+``quorum``: three masters plus one for an unrelated single-alias lock), a
+PostgreSQL server (from the machine's ``postgresql`` package, see
+tests/databases.py) whose counter rows the workers' transactions update, worker
 processes with threads and asyncio tasks, and the faults the seed plans: worker
 SIGSTOP/SIGKILL, event-loop stalls, Redis SIGSTOP and restarts, proxy latency,
 stalls and cuts, operator resets (see tests/nemesis.py for what is checked and

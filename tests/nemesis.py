@@ -63,6 +63,31 @@ recorded, any of these happened: its block exit or ``release()`` raised
 ``lock_lost`` signal for its name and fence was received in its process.
 A release that raised ``LockBackendUnavailable`` (or any other LockError)
 leaves the body *unconfirmed*: the caller got an error, not a clean exit.
+A transactional body whose lock was kept for its transaction records its
+outcome after the COMMIT and the give-back that follows it, so a loss its
+lock found only then counts as told, and a give-back that got no answer
+leaves it unconfirmed.
+
+Data. A third or so of the exclusive bodies, on every topology, are
+*transactional*: inside ``transaction.atomic()`` on the run's PostgreSQL
+database (started by the run next to its redis-servers, or given to it),
+they read their lock's counter row, pause, write the value plus one and
+record the increment, all in one transaction (tests/nemesis_data.py). Most
+take their lock inside the transaction, so only the rule that keeps such a
+lock until the COMMIT (django_redis_mutex/transactions.py) keeps the next
+holder from reading the old value; threads do it with ``with``
+(``tx-with``) and ``@mutex`` (``tx-decorated``), tasks through
+``sync_to_async`` (``async-tx``), and the transaction goes on a little after
+the lock's block. ``tx-inside`` opens the transaction inside the lock. Each
+journals its *intent* (the value read) before the write and, after the
+COMMIT returned, that it *committed* (the value written). The database is
+the witness of what committed: the increments table holds a row for every
+committed transaction, numbered in the row's commit order, and none for one
+whose worker was killed before its COMMIT (it was rolled back). A worker
+killed after its COMMIT but before its journal line is counted, not blamed.
+Test-only: ``NEMESIS_RELEASE_AT_BLOCK_END=1`` makes these bodies give their
+lock back at the end of its block, before the COMMIT
+(``release_at_block_end=True``), which must show up as lost updates.
 
 Killed holders. A killed process cannot write; a body it had entered but not
 left is taken to end when the kill was confirmed (the process reaped), or when
@@ -92,7 +117,8 @@ What :func:`check` demands, per lock name:
   still check its lease.
 * A body of a ``with`` block (or decorated call) whose loss the lock knew
   (``lock.lost`` as it left, or a ``lock_lost`` signal before its exit
-  returned) must see ``LockLost`` at exit.
+  returned) must see ``LockLost`` at exit; inside a transaction too, where
+  the exit returns before the COMMIT.
 * In the side-hold scenario the side lock must not be lost unless a fault of
   its own explains it.
 * Fences are unique per name and strictly increase, in the order bodies
@@ -102,6 +128,16 @@ What :func:`check` demands, per lock name:
   after it left (shared bodies among themselves journal in any order); this
   holds across a restart that wiped the counter, since a fence is never
   below the server clock in microseconds.
+* No lost update. Each counter row ends equal to the number of committed
+  increments of its lock, and every committed increment wrote one more
+  than the commit before it (in commit order) left. One that wrote over
+  commits it never read lost those updates: each such commit was made
+  between its read and its COMMIT, so the two transactions overlapped on
+  one lock, and each such pair must be excused as an overlap of two bodies
+  is, by its stale one (the smaller fence) having been told, left
+  unconfirmed or killed, and a fault that explains its lost lease before
+  the newer one entered. A committed increment its journal does not match,
+  or a journalled COMMIT the database does not have, is a violation too.
 * After the run no key on any server is without an expiry (``PTTL == -1``),
   checked every two seconds during the run and at the end, and every lock is
   gone within a lease or two of the last worker's exit.
@@ -145,13 +181,17 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from .nemesis_data import DataState, Increment, read_state
+
 ROOT = Path(__file__).resolve().parent.parent
 NS = 1_000_000_000
 
 __all__ = [
     "TOPOLOGIES",
+    "DataState",
     "Fault",
     "FaultRecord",
+    "Increment",
     "Nemesis",
     "Report",
     "RunInfo",
@@ -606,6 +646,10 @@ class RunInfo:
     #: Problems the runner found itself: keys without expiry, locks that never drained, ...
     problems: list[Violation] = field(default_factory=list)
     stats: dict[str, Any] = field(default_factory=dict)
+    #: The database at the end (None: no data to check, as in hand-made histories).
+    data: DataState | None = None
+    #: The transactional bodies gave their lock back at its block's end (test-only).
+    release_at_block_end: bool = False
 
 
 # == the checker =================================================================================
@@ -652,6 +696,16 @@ class Body:
     parent: str | None = None
     #: Taken shared (a read lock): it may overlap other shared bodies of its lock.
     shared: bool = False
+    #: A transactional body: the value it read of its lock's counter row ("intent").
+    read: int | None = None
+    #: When it journalled its COMMIT, and what it wrote then.
+    committed_at: int | None = None
+    value: int | None = None
+    #: After that COMMIT, its lock was given back (None: the transaction ended
+    #: inside the lock's block; False: the give-back failed or found the lock lost).
+    given_back: bool | None = None
+    #: When the block of a lock kept for its transaction had exited (before the COMMIT).
+    exited_at: int | None = None
 
     @property
     def status(self) -> str:
@@ -664,7 +718,9 @@ class Body:
         if self.result is None:
             return "unknown"
         if self.result == "clean":
-            return "clean"
+            # A lock kept for a transaction is given back after the COMMIT: a
+            # give-back that got no answer leaves the body unconfirmed.
+            return "unconfirmed" if self.given_back is False else "clean"
         return "unconfirmed"
 
     def describe(self, t0: int) -> str:
@@ -702,8 +758,14 @@ BLOCK_KINDS = frozenset(
         "side-hold",
         "quorum-partner",
         "nested-reset",
+        "tx-with",
+        "tx-decorated",
+        "tx-inside",
+        "async-tx",
     }
 )
+#: Kinds that read-modify-write their lock's counter row in a database transaction.
+TX_KINDS = frozenset({"tx-with", "tx-decorated", "tx-inside", "async-tx"})
 
 
 @dataclass(frozen=True)
@@ -825,6 +887,8 @@ class _Checker:
                 self.stats["bodies"] += 1
                 if event.get("shared"):
                     self.stats["shared bodies"] += 1
+                if event["kind"] in TX_KINDS:
+                    self.stats["transactional bodies"] += 1
                 self.detail["kinds"][event["kind"]] += 1
             elif kind == "refused":
                 self.detail["refused"][event["why"]] += 1
@@ -865,6 +929,13 @@ class _Checker:
                 self.note_told(body, event["t"], event["how"])
             elif kind in ("level", "unlevel"):
                 self.levels[body.id].append(event)
+            elif kind == "intent":
+                body.read = int(event["read"])
+            elif kind == "committed":
+                body.committed_at, body.value = event["t"], int(event["value"])
+                body.given_back = event.get("given_back")
+            elif kind == "exited":
+                body.exited_at = event["t"]
         by_hold: dict[tuple[int, str, int], list[Body]] = defaultdict(list)
         for body in self.bodies.values():
             by_hold[(body.pid, body.name, body.fence)].append(body)
@@ -1162,8 +1233,12 @@ class _Checker:
                 continue
             if body.result != "clean" or body.told_at is None or body.leave is None:
                 continue
-            if body.result_at is not None and body.told_at <= body.result_at:
+            # A lock kept for its transaction: its block exited before the COMMIT.
+            exited = body.exited_at if body.exited_at is not None else body.result_at
+            if exited is not None and body.told_at <= exited:
                 when = "before it left" if body.told_at <= body.leave else "while it exited"
+                if body.exited_at is not None:
+                    when += " (its lock kept for its transaction, which then committed)"
                 self.violations.append(
                     Violation(
                         "loss hidden at exit",
@@ -1171,7 +1246,7 @@ class _Checker:
                         f"of its loss ({body.told_how}) at +{(body.told_at - self.t0) / NS:.3f}s, "
                         f"{when}, yet its block exited without LockLost",
                         body.told_at,
-                        body.result_at,
+                        exited,
                         (body.pid,),
                     )
                 )
@@ -1295,6 +1370,158 @@ class _Checker:
                     )
                 )
 
+    # -- the data ---------------------------------------------------------------------------
+
+    def check_data(self) -> None:
+        """Check the counter rows against the increments that committed, and explain each loss.
+
+        The database says which increments committed and in what order (see
+        tests/nemesis_data.py); the journals say when each body ran and what
+        it was told. Every commit must write one more than the commit before
+        it left; one that wrote over commits it never read lost those updates,
+        and each such pair is an overlap of two transactions on one lock,
+        which must be excused as a code overlap is.
+        """
+        data = self.info.data
+        if data is None:
+            return
+        self.stats["data checked"] = 1
+        by_lock: dict[str, list[Increment]] = defaultdict(list)
+        committed = set()
+        for increment in data.increments:
+            by_lock[increment.lock].append(increment)
+            committed.add(increment.body)
+            self.stats["increments committed"] += 1
+            self.check_increment_journalled(increment)
+        for body in self.bodies.values():
+            if body.kind not in TX_KINDS or body.read is None:
+                continue
+            if body.id not in committed:
+                self.stats["increments rolled back"] += 1
+                if body.committed_at is not None:
+                    self.violations.append(
+                        Violation(
+                            "data: a journalled COMMIT the database does not have",
+                            f"{body.describe(self.t0)} journalled that it committed "
+                            f"{body.value}, but no increment of it is in the database",
+                            body.enter,
+                            body.committed_at,
+                            (body.pid,),
+                        )
+                    )
+        for lock, counter in sorted(data.counters.items()):
+            self.check_counter(lock, counter, sorted(by_lock.get(lock, []), key=lambda i: i.seq))
+
+    def check_increment_journalled(self, increment: Increment) -> None:
+        """A committed increment comes from a body that journalled its intent, or it is a lie."""
+        body = self.bodies.get(increment.body)
+        if body is None or body.read is None or body.read + 1 != increment.value:
+            self.violations.append(
+                Violation(
+                    "harness",
+                    f"the database holds an increment of body {increment.body} "
+                    f"({increment.lock} = {increment.value}) that its journal does not match",
+                )
+            )
+        elif body.committed_at is None:
+            # Killed between its COMMIT and the journal line: the table is the witness.
+            self.stats["commits a kill kept out of the journal"] += 1
+
+    def check_counter(self, lock: str, counter: int, increments: list[Increment]) -> None:
+        """The row must hold one per committed increment, each written over the one before."""
+        self.stats["counters checked"] += 1
+        seqs = [increment.seq for increment in increments]
+        if seqs != list(range(1, len(increments) + 1)) or data_writes(self.info, lock) != len(seqs):
+            self.violations.append(
+                Violation(
+                    "harness",
+                    f"counter {lock}: the committed increments are numbered {seqs[:20]}..., "
+                    f"not 1..{len(seqs)} as the row's {data_writes(self.info, lock)} writes say",
+                )
+            )
+            return
+        after = [0]  # the row's value after each commit
+        for k, increment in enumerate(increments, 1):
+            read = increment.value - 1
+            if read != after[k - 1]:
+                # It read the row as commit j left it, and wrote over commits j+1..k-1:
+                # each of them committed after its read and before its COMMIT.
+                j = max((i for i in range(k - 1) if after[i] == read), default=None)
+                missed = increments[(j if j is not None else k - 1) : k - 1]
+                if j is None:
+                    self.violations.append(
+                        Violation(
+                            "lost update",
+                            f"counter {lock}: increment {increment.seq} "
+                            f"({increment.body}) wrote {increment.value}, one more than a "
+                            "value the row never held",
+                        )
+                    )
+                for other in missed:
+                    self.lost_update(lock, increment, other)
+            after.append(increment.value)
+        lost = len(increments) - counter
+        self.stats["lost updates"] += lost
+        if counter != after[-1]:
+            self.violations.append(
+                Violation(
+                    "harness",
+                    f"counter {lock} holds {counter}, but its last committed increment wrote "
+                    f"{after[-1]}",
+                )
+            )
+
+    def lost_update(self, lock: str, late: Increment, missed: Increment) -> None:
+        """``late`` committed without having read ``missed``, which committed while it ran.
+
+        The two transactions overlapped on one lock: excused only as an overlap
+        of two bodies is, by the stale one (the smaller fence) having been told,
+        left unconfirmed or killed by the end of its transaction, and a fault
+        that can explain how it lost its lease before the newer one entered.
+        """
+        first, second = self.bodies.get(late.body), self.bodies.get(missed.body)
+        if first is None or second is None:
+            return  # a harness violation already
+        self.stats["lost update pairs"] += 1
+        stale, newer = (first, second) if first.fence < second.fence else (second, first)
+        what = (
+            f"counter {lock}: {first.describe(self.t0)} wrote {late.value} without having read "
+            f"the commit of {second.describe(self.t0)} ({missed.value}), made while it ran"
+        )
+        lo, hi = min(first.enter, second.enter), max(first.end, second.end)
+        pids = (first.pid, second.pid)
+        if first.fence == second.fence:
+            kind = "lost update: one fence, two bodies"
+            self.violations.append(Violation(kind, what, lo, hi, pids))
+            return
+        status = stale.status
+        if status == "clean":
+            self.violations.append(
+                Violation(
+                    "lost update: stale holder never told",
+                    f"{what}; the stale one (fence {stale.fence}) was never told it lost the lock",
+                    lo,
+                    hi,
+                    pids,
+                )
+            )
+            return
+        cause = self.explain(stale, stale.called, newer.enter)
+        if cause is None:
+            self.violations.append(
+                Violation(
+                    "lost update without a fault to explain it",
+                    f"{what}; the stale one (fence {stale.fence}) was {status}, but nothing in "
+                    "the run could have cost its lease",
+                    lo,
+                    hi,
+                    pids,
+                )
+            )
+            return
+        self.detail["lost updates excused"][status] += 1
+        self.excused.append(f"{what}; excused: {cause}")
+
     def check_processes(self) -> None:
         pids = {event["pid"] for event in self.events}
         for pid in sorted(pids):
@@ -1319,6 +1546,7 @@ class _Checker:
         self.check_told_at_exit()
         self.check_losses()
         self.check_fences(groups)
+        self.check_data()
         self.check_processes()
         stats: dict[str, Any] = dict(self.stats)
         for key, counter in self.detail.items():
@@ -1329,6 +1557,12 @@ class _Checker:
             list(self.bodies.values()),
             self.excused,
         )
+
+
+def data_writes(info: RunInfo, lock: str) -> int:
+    """The number of committed writes ``lock``'s counter row counted."""
+    assert info.data is not None
+    return info.data.writes.get(lock, 0)
 
 
 def check(events: list[dict[str, Any]], info: RunInfo) -> Verdict:
@@ -1419,6 +1653,7 @@ class Report:
             f"(judged {stats.get('handoff scenarios judged', 0)})",
             f"  losses nothing explains (not violations by themselves): "
             f"{stats.get('unexplained losses', 0)}",
+            self._data_line(),
             f"  fences: {stats.get('fences unique', 0)} checked unique, "
             f"{stats.get('fences in order', 0)} consecutive pairs checked in order, "
             f"{stats.get('fences against shared', 0)} exclusive ones against shared bodies",
@@ -1437,6 +1672,27 @@ class Report:
             ),
         ]
         return "\n".join(lines)
+
+    def _data_line(self) -> str:
+        stats = self.verdict.stats
+        if not stats.get("data checked"):
+            return "  data: not checked"
+        excused = stats.get("lost updates excused", {})
+        rule = (
+            " (locks given back at their block's end: the transaction rule was off)"
+            if self.info.release_at_block_end
+            else ""
+        )
+        return (
+            f"  data{rule}: {stats.get('transactional bodies', 0)} transactional bodies, "
+            f"{stats.get('increments committed', 0)} increments committed "
+            f"({stats.get('commits a kill kept out of the journal', 0)} not journalled, "
+            f"killed right after the COMMIT), {stats.get('increments rolled back', 0)} "
+            f"rolled back; {stats.get('counters checked', 0)} counters checked, lost updates "
+            f"{stats.get('lost updates', 0)} ({stats.get('lost update pairs', 0)} pairs; excused "
+            + (", ".join(f"stale holder {k} {v}" for k, v in sorted(excused.items())) or "none")
+            + ")"
+        )
 
     def describe_violations(self, limit: int = 10) -> str:
         """Return the violations with the faults and pauses around each."""
@@ -1555,6 +1811,7 @@ class Nemesis:
         *,
         keep: bool = False,
         log: Callable[[str], None] | None = None,
+        postgres: Any = None,
     ) -> None:
         if topology not in TOPOLOGIES:
             raise ValueError(f"topology must be one of {TOPOLOGIES}, not {topology!r}")
@@ -1569,6 +1826,11 @@ class Nemesis:
         self.history = self.workdir / "history"
         self.history.mkdir()
         self.servers: dict[str, Any] = {}
+        #: The PostgreSQL server of the data (a PostgresServer); started here when not given.
+        self.postgres = postgres
+        self._own_postgres = postgres is None
+        self.database: dict[str, Any] = {}
+        self.release_at_block_end = os.environ.get(RELEASE_AT_BLOCK_END_ENV) == "1"
         self.proxies: dict[tuple[int, str], Any] = {}
         self.slots = [_Slot(i) for i in range(self.tuning.slots)]
         self.pid_slot: dict[int, int] = {}
@@ -1598,9 +1860,20 @@ class Nemesis:
 
         for name in SERVERS[self.topology]:
             self.servers[name] = RedisServer().start()
+        self._start_database()
         for slot in self.slots:
             for name, server in self.servers.items():
                 self.proxies[(slot.index, name)] = Proxy(server.port).start()
+
+    def _start_database(self) -> None:
+        """Create the run's database (on a PostgreSQL server of its own unless given one)."""
+        from .databases import PostgresServer
+        from .nemesis_data import create_database
+
+        if self.postgres is None:
+            self.postgres = PostgresServer().start()
+        locks = [f"{spec.space}:{spec.name}" for spec in lock_specs(self.topology)]
+        self.database = create_database(self.postgres, locks)
 
     def _config_path(self, slot: int) -> Path:
         return self.workdir / f"slot{slot}.json"
@@ -1624,6 +1897,8 @@ class Nemesis:
                     member_timeout=max(self.tuning.socket_timeout, 5.0),
                 ),
                 "locks": [spec.to_json() for spec in lock_specs(self.topology)],
+                "database": self.database,
+                "release_at_block_end": self.release_at_block_end,
                 "handoff": handoff_spec(self.topology, slot.index).to_json(),
                 "ttl": self.tuning.ttl,
                 "timeout": self.tuning.acquire_timeout,
@@ -2142,6 +2417,8 @@ class Nemesis:
                 faults=self.records,
                 hiccups=self._hiccups,
                 problems=self._problems,
+                data=read_state(self.database),
+                release_at_block_end=self.release_at_block_end,
             )
             events = load_journals(self.history)
             verdict = check(events, info)
@@ -2193,6 +2470,8 @@ class Nemesis:
                 with contextlib.suppress(OSError):
                     os.kill(server.process.pid, signal.SIGCONT)
             server.close()
+        if self._own_postgres and self.postgres is not None:
+            self.postgres.close()
         if not self.keep:
             shutil.rmtree(self.workdir, ignore_errors=True)
         atexit.unregister(self.close)
@@ -2206,9 +2485,14 @@ def run_nemesis(
     *,
     keep: bool = False,
     log: Callable[[str], None] | None = None,
+    postgres: Any = None,
 ) -> Report:
-    """Run one topology for ``seconds`` under the faults ``seed`` plans; return the report."""
-    return Nemesis(topology, seconds, seed, tuning, keep=keep, log=log).run()
+    """Run one topology for ``seconds`` under the faults ``seed`` plans; return the report.
+
+    ``postgres`` is a started PostgresServer (tests/databases.py) to create the
+    run's database on; without one the run starts its own.
+    """
+    return Nemesis(topology, seconds, seed, tuning, keep=keep, log=log, postgres=postgres).run()
 
 
 # == the worker ==================================================================================
@@ -2260,8 +2544,22 @@ SYNC_KINDS = {
     "nested": 2.0,
     "multi": 1.0,
     "handover": 1.0,
+    # Read-modify-writes of the lock's counter row in a database transaction.
+    "tx-with": 4.0,
+    "tx-decorated": 3.0,
+    "tx-inside": 2.0,
 }
-ASYNC_KINDS = {"async-with": 4.0, "async-acquire": 3.0, "async-decorated": 3.0, "async-nested": 2.0}
+ASYNC_KINDS = {
+    "async-with": 4.0,
+    "async-acquire": 3.0,
+    "async-decorated": 3.0,
+    "async-nested": 2.0,
+    "async-tx": 5.0,
+}
+#: Test-only: set to 1, the transactional bodies give their lock back at the end of
+#: its block (``release_at_block_end=True``), before their COMMIT; the checker must
+#: then find lost updates.
+RELEASE_AT_BLOCK_END_ENV = "NEMESIS_RELEASE_AT_BLOCK_END"
 
 
 class _Worker:
@@ -2289,12 +2587,15 @@ class _Worker:
         self.cooldown_until = 0
         self._ids = itertools.count(1)
         self._announced: dict[tuple[int, str], int] = {}
-        self._guards: dict[tuple[str, bool, bool], Callable[..., Any]] = {}
+        self._released: dict[tuple[int, str], int] = {}
+        self.release_at_block_end = bool(config.get("release_at_block_end"))
+        self._guards: dict[tuple[str, bool, bool, bool], Callable[..., Any]] = {}
         self._control_offset = 0
         self._control_lock = threading.Lock()
         self._scenario_threads: list[threading.Thread] = []
         signals.lock_acquired.connect(self._on_acquired, weak=False)
         signals.lock_lost.connect(self._on_lost, weak=False)
+        signals.lock_released.connect(self._on_released, weak=False)
 
     # -- journal ----------------------------------------------------------------------------
 
@@ -2307,6 +2608,15 @@ class _Worker:
 
     def _announced_fence(self, name: str) -> int | None:
         return self._announced.pop((threading.get_ident(), name), None)
+
+    def _on_released(self, sender: Any, name: str, fence: Any, **kwargs: Any) -> None:
+        # Sent in the releasing thread; after a COMMIT, in the committing one.
+        self._released[(threading.get_ident(), name)] = int(fence)
+
+    def _given_back(self, name: str, fence: int | None) -> bool:
+        """True if this thread's last give-back of ``name`` was of ``fence`` (and confirmed)."""
+        released = self._released.pop((threading.get_ident(), name), None)
+        return fence is not None and released == fence
 
     def enter(
         self,
@@ -2427,11 +2737,13 @@ class _Worker:
             return rng.uniform(0.5, 1.5) * self.ttl
         return rng.uniform(0.002, 0.1)
 
-    def guard(self, using: Any, is_async: bool, shared: bool = False) -> Callable[..., Any]:
+    def guard(
+        self, using: Any, is_async: bool, shared: bool = False, release_at_block_end: bool = False
+    ) -> Callable[..., Any]:
         """Return ``@mutex("{name}", using=using, shared=shared)`` over a _Call-running function."""
         from django_redis_mutex import mutex
 
-        key = (json.dumps(using), is_async, shared)
+        key = (json.dumps(using), is_async, shared, release_at_block_end)
         guarded = self._guards.get(key)
         if guarded is None:
             if is_async:
@@ -2439,13 +2751,23 @@ class _Worker:
                 async def body(name: str, call: _Call) -> None:
                     await call.arun()
 
-                guarded = mutex("{name}", using=using, shared=shared)(body)
+                guarded = mutex(
+                    "{name}",
+                    using=using,
+                    shared=shared,
+                    release_at_block_end=release_at_block_end,
+                )(body)
             else:
 
                 def sync_body(name: str, call: _Call) -> None:
                     call.run()
 
-                guarded = mutex("{name}", using=using, shared=shared)(sync_body)
+                guarded = mutex(
+                    "{name}",
+                    using=using,
+                    shared=shared,
+                    release_at_block_end=release_at_block_end,
+                )(sync_body)
             self._guards[key] = guarded
         return guarded
 
@@ -2461,7 +2783,7 @@ class _Worker:
         while self.running():
             kind = rng.choices(kinds, weights=weights)[0]
             try:
-                getattr(self, "sync_" + kind)(rng)
+                getattr(self, "sync_" + kind.replace("-", "_"))(rng)
             except Exception as exc:  # a bug here, not in a lock: journalled, fails the run
                 self.journal.write(
                     "unexpected",
@@ -2637,6 +2959,82 @@ class _Worker:
             self.guard(using, False)(spec.name, call)
         other.join(self.timeout + 3 * self.ttl + 10)
 
+    # -- transactional bodies -----------------------------------------------------------------
+    #
+    # Each reads its lock's counter row, pauses, writes the value plus one and
+    # records the increment, in one transaction on the run's PostgreSQL
+    # database; "intent" is journalled before the write, "committed" after the
+    # COMMIT returned. A lock taken inside the transaction is kept until the
+    # COMMIT (the transaction goes on a little after the lock's block, as real
+    # code does): only that keeps the next holder from reading the old value.
+
+    def tx_pick(self, rng: random.Random) -> tuple[LockSpec, Any, float, float]:
+        """Return a lock, a way to it, the pause between read and write, and the work after."""
+        spec, using = self.pick(rng)
+        return spec, using, self.hold(rng), rng.uniform(0.002, 0.03)
+
+    def sync_tx_with(self, rng: random.Random) -> None:
+        self.tx_with(*self.tx_pick(rng), kind="tx-with")
+
+    def tx_with(self, spec: LockSpec, using: Any, pause: float, after: float, *, kind: str) -> None:
+        """``with mutex(...)`` inside ``transaction.atomic()``: the lock outlives its block."""
+        from django.db import transaction
+
+        from django_redis_mutex import mutex
+
+        tx = _Tx(self, spec)
+        with self.attempt(spec) as rec:
+            with transaction.atomic():
+                called = now_ns()
+                lock = mutex(spec.name, using=using, release_at_block_end=self.release_at_block_end)
+                with lock as held:
+                    fence = held.fence
+                    rec.body = self.enter(spec, kind, called, fence)
+                    try:
+                        tx.increment(rec.body, pause)
+                    finally:
+                        self.leave(rec.body, held.lost)
+                self.journal.write("exited", b=rec.body)
+                time.sleep(after)
+            tx.committed(self._given_back(spec.name, fence))
+
+    def sync_tx_decorated(self, rng: random.Random) -> None:
+        """An ``@mutex`` function called inside ``transaction.atomic()``."""
+        from django.db import transaction
+
+        spec, using, pause, after = self.tx_pick(rng)
+        tx = _Tx(self, spec)
+        call = _Call(self, spec, "tx-decorated", pause, work=tx.increment)
+        with self.attempt(spec, call.rec):
+            self._announced_fence(spec.name)
+            with transaction.atomic():
+                call.called = now_ns()
+                self.guard(using, False, release_at_block_end=self.release_at_block_end)(
+                    spec.name, call
+                )
+                self.journal.write("exited", b=call.rec.body)
+                time.sleep(after)
+            tx.committed(self._given_back(spec.name, call.fence))
+
+    def sync_tx_inside(self, rng: random.Random) -> None:
+        """``transaction.atomic()`` inside ``with mutex(...)``: committed before the release."""
+        from django.db import transaction
+
+        from django_redis_mutex import mutex
+
+        spec, using, pause, _ = self.tx_pick(rng)
+        tx = _Tx(self, spec)
+        with self.attempt(spec) as rec:
+            called = now_ns()
+            with mutex(spec.name, using=using) as held:
+                rec.body = self.enter(spec, "tx-inside", called, held.fence)
+                try:
+                    with transaction.atomic():
+                        tx.increment(rec.body, pause)
+                    tx.committed(None)
+                finally:
+                    self.leave(rec.body, held.lost)
+
     # -- async bodies -------------------------------------------------------------------------
 
     async def acontend(self, index: int) -> None:
@@ -2743,6 +3141,12 @@ class _Worker:
                                 self.unlevel(body)
                 finally:
                     self.leave(body, outer.lost)
+
+    async def async_tx(self, rng: random.Random) -> None:
+        """A transaction with its lock inside, run from a task as Django runs sync code."""
+        from asgiref.sync import sync_to_async
+
+        await sync_to_async(self.tx_with)(*self.tx_pick(rng), kind="async-tx")
 
     # -- commands from the nemesis ------------------------------------------------------------
 
@@ -3040,6 +3444,7 @@ class _Call:
         fallback: int | None = None,
         is_async: bool = False,
         shared: bool = False,
+        work: Callable[[str, float], None] | None = None,
     ) -> None:
         self.worker = worker
         self.spec = spec
@@ -3049,8 +3454,11 @@ class _Call:
         self.fallback = fallback
         self.is_async = is_async
         self.shared = shared
+        self.work = work
         self.called = now_ns()
         self.rec = _Rec()
+        #: The fence of its own grant, once entered (None: joined, or not entered).
+        self.fence: int | None = None
 
     def _enter(self) -> str:
         fence = self.worker._announced_fence(self.spec.name)
@@ -3058,6 +3466,7 @@ class _Call:
             self.worker.level(self.parent, fence, "decorated", self.shared)
             return self.parent
         joined = fence is None
+        self.fence = fence
         self.rec.body = self.worker.enter(
             self.spec,
             self.kind,
@@ -3078,7 +3487,10 @@ class _Call:
     def run(self) -> None:
         body = self._enter()
         try:
-            time.sleep(self.hold)
+            if self.work is not None:
+                self.work(body, self.hold)
+            else:
+                time.sleep(self.hold)
         finally:
             self._exit(body)
 
@@ -3088,6 +3500,43 @@ class _Call:
             await asyncio.sleep(self.hold)
         finally:
             self._exit(body)
+
+
+class _Tx:
+    """One transactional body's read-modify-write, journalled before each step goes on.
+
+    "intent" (the value read, so the value about to be written) goes out
+    before the write; "committed" (the value written, its place in the row's
+    commit order, and whether the lock was then given back) after the COMMIT
+    returned. A process killed in between leaves an intent: its row is in
+    the increments table if the COMMIT had been sent, never otherwise.
+    """
+
+    def __init__(self, worker: _Worker, spec: LockSpec) -> None:
+        self.worker = worker
+        self.lock = f"{spec.space}:{spec.name}"
+        self.body: str | None = None
+        self.value = 0
+        self.seq = 0
+
+    def increment(self, body: str, pause: float) -> None:
+        from django.db import connection
+
+        from .nemesis_data import increment
+
+        def intent(read: int) -> None:
+            self.worker.journal.write("intent", b=body, lock=self.lock, read=read)
+
+        with connection.cursor() as cursor:
+            self.value, self.seq = increment(cursor, self.lock, body, pause, intent)
+        self.body = body
+
+    def committed(self, given_back: bool | None) -> None:
+        """Journal the COMMIT; ``given_back`` is None when the lock's block outlived it."""
+        if self.body is not None:
+            self.worker.journal.write(
+                "committed", b=self.body, value=self.value, seq=self.seq, given_back=given_back
+            )
 
 
 def _using(value: Any) -> Any:
@@ -3105,6 +3554,7 @@ def worker_main(config_path: str, incarnation: int) -> int:
 
     settings.configure(
         CACHES=config["caches"],
+        DATABASES={"default": config["database"]},
         INSTALLED_APPS=["django_redis_mutex"],
         USE_TZ=True,
         SECRET_KEY="nemesis-worker",

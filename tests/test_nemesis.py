@@ -19,10 +19,13 @@ from typing import Any
 
 import pytest
 
+from .databases import PostgresServer
 from .nemesis import (
     NS,
     TOPOLOGIES,
+    DataState,
     FaultRecord,
+    Increment,
     RunInfo,
     Tuning,
     Verdict,
@@ -113,13 +116,50 @@ class Journal:
             )
         )
 
-    def check(self, *, done: tuple[int, ...] | None = None) -> Verdict:
+    def transaction(
+        self,
+        pid: int,
+        fence: int,
+        enter: float,
+        leave: float,
+        committed: float,
+        *,
+        read: int,
+        name: str = "hot",
+        given_back: bool = True,
+    ) -> str:
+        """A tx-with body: its lock's block ends at ``leave``, its COMMIT at ``committed``.
+
+        Its outcome (clean) is journalled after the COMMIT, as workers do.
+        """
+        body = self.body(pid, fence, enter, leave, kind="tx-with", name=name, result=None)
+        self.event("intent", pid, enter + 1, b=body, lock=f"single:{name}", read=read)
+        self.event("exited", pid, leave + 0.5, b=body)
+        self.event("committed", pid, committed, b=body, value=read + 1, given_back=given_back)
+        self.event("outcome", pid, committed + 1, b=body, result="clean")
+        return body
+
+    def committed(self, *bodies: str) -> DataState:
+        """The database after ``bodies`` committed, in that order, each writing its read + 1."""
+        reads = {e["b"]: e["read"] for e in self.events if e["e"] == "intent"}
+        locks = {e["b"]: e["lock"] for e in self.events if e["e"] == "intent"}
+        state = DataState(counters={}, writes={})
+        for body in bodies:
+            lock = locks[body]
+            seq = state.writes.get(lock, 0) + 1
+            state.increments.append(Increment(body, lock, reads[body] + 1, seq))
+            state.writes[lock], state.counters[lock] = seq, reads[body] + 1
+        return state
+
+    def check(
+        self, *, done: tuple[int, ...] | None = None, data: DataState | None = None
+    ) -> Verdict:
         pids = {e["pid"] for e in self.events} if done is None else set(done)
         killed = {f.pid for f in self.faults if f.kind == "kill-worker"}
         events = self.events + [
             {"e": "done", "pid": pid, "t": at(60_000)} for pid in sorted(pids - killed)
         ]
-        info = RunInfo("single", 0, TUNING, T0, at(60_000), faults=self.faults)
+        info = RunInfo("single", 0, TUNING, T0, at(60_000), faults=self.faults, data=data)
         return check(events, info)
 
 
@@ -453,6 +493,94 @@ def test_a_worker_that_vanished_without_being_killed_is_reported() -> None:
     assert sorted(kinds(journal.check(done=()))) == ["harness", "harness"]
 
 
+# -- the data -------------------------------------------------------------------------------------
+
+
+def test_increments_that_each_read_the_commit_before_them_pass() -> None:
+    journal = Journal()
+    first = journal.transaction(1, 10, 0, 100, 130, read=0)
+    second = journal.transaction(2, 11, 131, 200, 220, read=1)  # waited for the COMMIT
+    third = journal.transaction(1, 20, 300, 400, 420, read=0, name="a")
+
+    verdict = journal.check(data=journal.committed(first, second, third))
+
+    assert verdict.violations == []
+    assert verdict.stats["data checked"] == 1
+    assert verdict.stats["transactional bodies"] == 3
+    assert verdict.stats["increments committed"] == 3
+    assert verdict.stats["counters checked"] == 2
+    assert verdict.stats["lost updates"] == 0
+
+
+def test_a_lost_update_with_no_excused_overlap_is_a_violation() -> None:
+    # The lock was given back at the end of the block (100), before the COMMIT
+    # (150): the next holder read the old value. Code sections never overlapped.
+    journal = Journal()
+    stale = journal.transaction(1, 10, 0, 100, 150, read=0)
+    newer = journal.transaction(2, 11, 110, 200, 210, read=0)
+    # On lock "a" the stale one was told (its give-back found the lock gone),
+    # but nothing could have cost it its lease.
+    told = journal.transaction(1, 20, 1000, 1100, 1150, read=0, name="a", given_back=False)
+    journal.signal(1, "a", 20, 1149)
+    other = journal.transaction(2, 21, 1110, 1200, 1210, read=0, name="a")
+    # A transaction killed before its COMMIT left only its intent.
+    killed = journal.body(3, 30, 2000, None, kind="tx-with", name="b")
+    journal.event("intent", 3, 2001, b=killed, lock="single:b", read=0)
+    journal.fault("kill-worker", 2050, pid=3, slot=3)
+
+    verdict = journal.check(data=journal.committed(stale, newer, told, other))
+
+    assert kinds(verdict) == [
+        "lost update without a fault to explain it",
+        "lost update: stale holder never told",
+    ]
+    assert "fence 20" in verdict.violations[0].text
+    assert "single:hot" in verdict.violations[1].text
+    assert verdict.stats["lost updates"] == 2
+    assert verdict.stats["increments rolled back"] == 1
+    assert verdict.stats.get("overlaps", 0) == 0
+
+
+def test_a_lost_update_explained_by_an_excused_overlap_passes() -> None:
+    # Paused past its lease inside its transaction: the newer holder read and
+    # committed meanwhile; the stale one then committed over it, and found its
+    # lock gone when it gave it back.
+    journal = Journal()
+    stale = journal.transaction(1, 10, 0, 2010, 2020, read=0, given_back=False)
+    journal.signal(1, "hot", 10, 2019)
+    journal.fault("pause-worker", 50, 2000, pid=1, slot=1)
+    newer = journal.transaction(2, 11, 1700, 1800, 1810, read=0)
+    # Killed right after its COMMIT, before journalling it: the table tells.
+    late = journal.body(3, 12, 2100, None, kind="tx-with")
+    journal.event("intent", 3, 2101, b=late, lock="single:hot", read=1)
+    journal.fault("kill-worker", 2200, pid=3, slot=3)
+
+    verdict = journal.check(data=journal.committed(newer, stale, late))
+
+    assert verdict.violations == []
+    assert verdict.stats["lost updates"] == 1
+    assert verdict.stats["lost updates excused"] == {"told": 1}
+    assert verdict.stats["commits a kill kept out of the journal"] == 1
+    excused = [text for text in verdict.excused if "without having read" in text]
+    assert len(excused) == 1 and "SIGSTOP of pid 1" in excused[0]
+
+
+def test_a_loss_known_as_a_kept_lock_exits_its_block_must_raise_there() -> None:
+    # Told while the block ran, inside its transaction: the exit (before the
+    # COMMIT) must raise LockLost, not return and let the transaction commit.
+    journal = Journal()
+    body = journal.transaction(1, 10, 0, 100, 150, read=0, given_back=False)
+    journal.signal(1, "hot", 10, 50)
+    # Told only by the give-back after the COMMIT: nothing to raise at the exit.
+    later = journal.transaction(1, 11, 200, 300, 350, read=1, given_back=False)
+    journal.signal(1, "hot", 11, 349)
+
+    verdict = journal.check(data=journal.committed(body, later))
+
+    assert kinds(verdict) == ["loss hidden at exit"]
+    assert "fence 10" in verdict.violations[0].text
+
+
 # -- the plan -------------------------------------------------------------------------------------
 
 
@@ -479,8 +607,10 @@ RUN_SECONDS = float(os.environ.get("NEMESIS_SECONDS") or 25)
 
 @pytest.mark.slow
 @pytest.mark.parametrize("topology", TOPOLOGIES)
-def test_locks_keep_their_promises_under_a_random_fault_schedule(topology: str) -> None:
-    report = run_nemesis(topology, RUN_SECONDS, SEED)
+def test_locks_keep_their_promises_under_a_random_fault_schedule(
+    topology: str, postgres_server: PostgresServer
+) -> None:
+    report = run_nemesis(topology, RUN_SECONDS, SEED, postgres=postgres_server)
 
     context = (
         f"NEMESIS_SEED={SEED}; replay the plan with: uv run python scripts/nemesis.py "
@@ -496,6 +626,11 @@ def test_locks_keep_their_promises_under_a_random_fault_schedule(topology: str) 
     assert stats.get("shared bodies", 0) >= 20, context
     if topology == "single":  # elsewhere only the side locks can be shared
         assert stats.get("shared overlaps", 0) > 0, context
+    # Read-modify-writes in transactions ran, and the database was checked.
+    assert stats.get("data checked") == 1, context
+    assert stats.get("transactional bodies", 0) >= 20, context
+    assert stats.get("increments committed", 0) >= 20, context
+    assert stats.get("counters checked", 0) == len(report.info.data.counters), context
     faults = report.faults_by_kind()
     assert faults["handoff-stall"] >= 1, context
     assert faults["nested-reset"] >= 1, context
