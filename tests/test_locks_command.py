@@ -509,7 +509,7 @@ def test_bad_filter_is_a_command_error_naming_it(
     assert lock.owned()
 
 
-def _manage(*args: str) -> subprocess.CompletedProcess[str]:
+def _manage(*args: str, **popen: Any) -> subprocess.CompletedProcess[str]:
     env = dict(
         os.environ,
         DJANGO_SETTINGS_MODULE="tests.settings",
@@ -522,7 +522,35 @@ def _manage(*args: str) -> subprocess.CompletedProcess[str]:
         capture_output=True,
         text=True,
         timeout=60,
+        **popen,
     )
+
+
+def _close_stdin() -> None:
+    os.close(0)
+
+
+# How cron, CI or a script runs the command: stdin at its end, or no stdin at all.
+NO_TERMINAL = [
+    pytest.param({"stdin": subprocess.DEVNULL}, id="stdin-dev-null"),
+    pytest.param({"stdin": subprocess.DEVNULL, "preexec_fn": _close_stdin}, id="stdin-closed"),
+]
+
+
+@pytest.mark.parametrize("popen", NO_TERMINAL)
+@pytest.mark.parametrize("filters", [[], ["--host", "web1"]], ids=["all", "filtered"])
+def test_reset_all_without_a_terminal_fails_in_one_line_naming_noinput(
+    popen: dict[str, Any], filters: list[str], hold_on_host: Any
+) -> None:
+    kept = hold_on_host("deploy:web1", "web1")
+    result = _manage("--reset-all", *filters, **popen)
+    assert result.returncode == 1
+    assert "Traceback" not in result.stderr
+    assert result.stderr.splitlines() == [
+        "CommandError: Confirmation needs a terminal, and standard input is closed or at "
+        "its end; pass --noinput to reset without asking."
+    ]
+    assert kept.let_go() == "released"
 
 
 def test_reset_all_by_host_from_the_command_line(hold_on_host: Any) -> None:

@@ -428,6 +428,20 @@ class Command(BaseCommand):
             return
         self.stdout.write(f"{_plural(len(locks), 'lock')} held in cache {alias!r}{where}.")
 
+    def ask(self, question: str) -> str:
+        """Return the answer typed to ``question``; fail in one line when nothing can answer.
+
+        From cron, CI or a script, standard input is closed or at its end:
+        ``input()`` would raise EOFError, printed as a traceback.
+        """
+        try:
+            return input(question)
+        except (EOFError, RuntimeError) as exc:  # RuntimeError: no sys.stdin at all
+            raise CommandError(
+                "Confirmation needs a terminal, and standard input is closed or at its end; "
+                "pass --noinput to reset without asking."
+            ) from exc
+
     def reset_names(self, alias: str, names: list[str]) -> None:
         for name in names:
             if reset(name, using=alias):
@@ -441,7 +455,7 @@ class Command(BaseCommand):
         if interactive:
             # Counting first also reports a wrong alias or a dead Redis before asking.
             held = len(held_locks(using=alias))
-            confirm = input(
+            confirm = self.ask(
                 f"You have requested to force-release every lock in cache {alias!r} "
                 f"({_plural(held, 'lock')} held now).\n"
                 "Their holders keep running without the lock and only learn of it when\n"
@@ -480,7 +494,7 @@ class Command(BaseCommand):
             else ""
         )
         if interactive:
-            confirm = input(
+            confirm = self.ask(
                 f"You have requested to force-release the {_plural(len(selection), 'lock')} "
                 f"listed above{shared_note}.\n"
                 "Their holders keep running without the lock and only learn of it when\n"
