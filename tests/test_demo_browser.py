@@ -9,7 +9,6 @@ terminal or a process manager does. See tests/demo_server.py.
 
 from __future__ import annotations
 
-import re
 import signal
 import time
 from collections.abc import Iterator
@@ -332,14 +331,31 @@ def test_redis_down_reads_as_plain_words(tmp_path: Path, browser: Any, playwrigh
 
 
 def test_locks_command_without_a_running_demo_never_uses_6379(tmp_path: Path) -> None:
-    # A URL file left by a SIGKILLed demo, whose Redis is gone: stale.
     demo = Demo(tmp_path / "demo")
     demo.data_dir.mkdir()
-    (demo.data_dir / "redis-url").write_text(f"redis://127.0.0.1:{free_port()}/0\n")
 
     result = demo.manage("locks", "--json")
 
-    assert result.returncode != 0
-    said = result.stderr + result.stdout
-    assert re.search(r"127\.0\.0\.1:1\b", said), said  # port 1: nothing serves it
-    assert "6379" not in said
+    assert result.returncode == 1
+    assert result.stdout == ""
+    assert result.stderr.splitlines() == [
+        "CommandError: The demo is not running, so there is no Redis to read: start it with "
+        "`uv run manage.py demo` (or set REDIS_URL to read another Redis)."
+    ]
+
+
+def test_locks_command_with_a_stale_demo_url_says_the_demo_is_not_running(tmp_path: Path) -> None:
+    # A URL file left by a SIGKILLed demo, whose Redis is gone: stale.
+    demo = Demo(tmp_path / "demo")
+    demo.data_dir.mkdir()
+    gone = f"redis://127.0.0.1:{free_port()}/0"
+    (demo.data_dir / "redis-url").write_text(gone + "\n")
+
+    result = demo.manage("locks")
+
+    assert result.returncode == 1
+    assert result.stdout == ""
+    [line] = result.stderr.splitlines()
+    assert line.startswith(f"CommandError: The demo is not running: nothing answers at {gone}, ")
+    assert "`uv run manage.py demo`" in line
+    assert "6379" not in line
