@@ -9,6 +9,7 @@ terminal or a process manager does. See tests/demo_server.py.
 
 from __future__ import annotations
 
+import os
 import signal
 import time
 from collections.abc import Iterator
@@ -300,6 +301,38 @@ def test_demo_stops_its_redis_server_on_signal(tmp_path: Path, signum: int) -> N
         assert_no_traceback(demo.output())
     finally:
         demo.kill_all()
+
+
+def test_demo_removes_the_redis_folder_a_killed_demo_left_and_no_other(tmp_path: Path) -> None:
+    temp = tmp_path / "tmp"  # the demos' temporary folders go here, and only theirs
+    temp.mkdir()
+    # Not for a demo to remove: a folder no demo marked (a test server's), and
+    # a marked one whose process still runs.
+    unmarked = temp / "django-redis-mutex-redis-unmarked"
+    unmarked.mkdir()
+    live = temp / "django-redis-mutex-redis-live"
+    live.mkdir()
+    (live / "demo-pids").write_text(f"{os.getpid()}\n")
+    killed = Demo(tmp_path / "killed", TMPDIR=str(temp))
+    second = Demo(tmp_path / "second", TMPDIR=str(temp))
+    try:
+        killed.start()
+        assert killed.redis_folder.parent == temp
+
+        assert killed.signal(signal.SIGKILL) == -signal.SIGKILL
+        wait_for(lambda: not pid_alive(killed.redis_pid), 30, "the killed demo's redis-server")
+        assert killed.redis_folder.is_dir()  # no cleanup ran
+
+        second.start()
+
+        assert not killed.redis_folder.exists()
+        assert f"Removed {killed.redis_folder}, left by a demo that was killed." in second.output()
+        assert second.redis_folder.is_dir()
+        assert unmarked.is_dir()
+        assert live.is_dir()
+    finally:
+        killed.kill_all()
+        second.kill_all()
 
 
 def test_redis_down_reads_as_plain_words(tmp_path: Path, browser: Any, playwright_api: Any) -> None:
