@@ -11,9 +11,9 @@ test asks for a fixture:
 ``redis_mutex_cache``
     Function-scoped: points the cache alias named by ``redis_mutex_cache_alias``
     at that server for one test (an ``override_settings`` of ``CACHES``) and
-    returns the alias. When the test ends it deletes that alias's keys, its
-    lock namespace and its cache entries, found with SCAN; nothing else on the
-    server is touched, and nothing is flushed.
+    returns the alias. When the test ends it deletes that alias's keys (those
+    of its locks and semaphores, and its cache entries), found with SCAN;
+    nothing else on the server is touched, and nothing is flushed.
 ``redis_mutex_cache_alias``
     ``"default"``; override it in a ``conftest.py`` to test another alias.
 
@@ -69,8 +69,13 @@ def _patterns(alias: str) -> list[str]:
     from .client import namespace
     from .keys import glob_escape
 
-    # Every key of every lock starts with "<namespace>:{" (see keys.py).
-    patterns = [glob_escape(namespace(alias)) + ":{*"]
+    ns = glob_escape(namespace(alias))
+    patterns = [
+        # Every key of every lock starts with "<namespace>:{" (see keys.py),
+        ns + ":{*",
+        # every key of a semaphore with "<namespace>:semaphore:{<name>}:" (semaphore_scripts.py).
+        ns + ":semaphore:{*}:*",
+    ]
     entry = settings.CACHES[alias]
     if "KEY_FUNCTION" not in entry:
         # Django's key function: "<KEY_PREFIX>:<VERSION>:<key>", the version a number.
@@ -115,8 +120,8 @@ def redis_mutex_cache(
 ) -> Iterator[str]:
     """Point a cache alias at the session's redis-server for one test; return the alias.
 
-    Afterwards delete only that alias's keys: its lock namespace, and its cache
-    entries when it uses Django's key function.
+    Afterwards delete only that alias's keys: those of its locks and semaphores,
+    and its cache entries when it uses Django's key function.
     """
     from django.conf import settings
     from django.test import override_settings

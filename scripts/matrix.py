@@ -237,6 +237,23 @@ def run_leg(leg: Leg, pytest_args: list[str]) -> tuple[str, str]:
     return ("PASSED" if code == 0 else "FAILED"), f"{label} (pytest exit {code})"
 
 
+def parse_args(
+    parser: argparse.ArgumentParser, argv: list[str]
+) -> tuple[argparse.Namespace, list[str]]:
+    """Return the script's options and the arguments passed through to pytest.
+
+    Everything after ``--`` goes to pytest as it is (argparse would take words
+    there for legs); before it, options the script does not know go too.
+    """
+    if "--" in argv:
+        cut = argv.index("--")
+        argv, passed = argv[:cut], argv[cut + 1 :]
+    else:
+        passed = []
+    args, unknown = parser.parse_known_args(argv)
+    return args, unknown + passed
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument(
@@ -262,8 +279,7 @@ def main(argv: list[str] | None = None) -> int:
         action="store_true",
         help="fail, instead of skipping, a leg whose Python is missing",
     )
-    args, rest = parser.parse_known_args(argv)
-    pytest_args = rest[1:] if rest[:1] == ["--"] else rest
+    args, pytest_args = parse_args(parser, sys.argv[1:] if argv is None else argv)
     by_name = {leg.name: leg for leg in LEGS}
     unknown = [name for name in args.legs if name not in by_name]
     if unknown:

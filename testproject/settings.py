@@ -23,29 +23,39 @@ NO_REDIS_URL = "redis://127.0.0.1:1/0"
 DEMO_HOLD_SECONDS = int(os.environ.get("DEMO_HOLD_SECONDS", "20"))
 
 
-def _running_demo_redis() -> str | None:
-    """Return the URL a running demo recorded, or None when absent or stale.
-
-    The file outlives a demo killed with SIGKILL; a URL whose port nobody
-    answers on is stale and ignored.
-    """
+def _recorded_demo_redis() -> str | None:
+    """Return the URL a demo recorded in DEMO_REDIS_URL_FILE, or None without one."""
     try:
-        url = DEMO_REDIS_URL_FILE.read_text(encoding="utf-8").split()[0]
+        return DEMO_REDIS_URL_FILE.read_text(encoding="utf-8").split()[0]
     except (OSError, IndexError):
         return None
+
+
+def _answers(url: str) -> bool:
+    """Return True if something accepts connections where ``url`` points."""
     parts = urlsplit(url)
     try:
         with socket.create_connection((parts.hostname or "", parts.port or 0), timeout=0.5):
-            return url
+            return True
     except (OSError, ValueError):
-        return None
+        return False
+
+
+# The file outlives a demo killed with SIGKILL; a URL whose port nobody
+# answers on is stale and ignored (the demo's `locks` command says so).
+DEMO_RECORDED_REDIS_URL = _recorded_demo_redis()
+_running_demo_redis = (
+    DEMO_RECORDED_REDIS_URL
+    if DEMO_RECORDED_REDIS_URL and _answers(DEMO_RECORDED_REDIS_URL)
+    else None
+)
 
 
 SECRET_KEY = os.environ.get("DJANGO_SECRET_KEY", "demo-only-not-secret")
 DEBUG = True
 ALLOWED_HOSTS = ["127.0.0.1", "localhost"]
 
-REDIS_URL = os.environ.get("REDIS_URL") or _running_demo_redis() or NO_REDIS_URL
+REDIS_URL = os.environ.get("REDIS_URL") or _running_demo_redis or NO_REDIS_URL
 
 CACHES = {
     # The project's ordinary cache...
@@ -65,8 +75,9 @@ INSTALLED_APPS = [
     "django.contrib.sessions",
     "django.contrib.messages",
     "django.contrib.staticfiles",
-    "django_redis_mutex",
+    # Before the app, so that its `locks` command (which says when no demo runs) wins.
     "testproject.demo.apps.DemoConfig",
+    "django_redis_mutex",
 ]
 
 MIDDLEWARE = [

@@ -20,7 +20,7 @@ from django.test import override_settings
 from django_redis_mutex.testing import RedisServer
 
 from .databases import MariaDBServer, PostgresServer
-from .helpers import run_worker
+from .helpers import run_worker, wait_until
 
 
 @pytest.fixture(scope="session")
@@ -56,6 +56,33 @@ def mutex_prefix() -> Iterator[str]:
     os.environ["DJANGO_REDIS_MUTEX_TEST_PREFIX"] = prefix
     with override_settings(CACHES=caches):
         yield prefix
+
+
+@pytest.fixture(autouse=True)
+def no_hold_left_watched() -> Iterator[None]:
+    """Fail a test that leaves a lock or permit renewed by the watchdog after it ends.
+
+    Such a hold is never released: it keeps its name locked and its lane's
+    thread busy for the tests after it. A hold released by another thread may
+    take a moment to leave, hence the short wait.
+    """
+    from django_redis_mutex.watchdog import get_watchdog
+
+    yield
+    watchdog = get_watchdog()
+    if not watchdog.watched():
+        return
+    try:
+        wait_until(lambda: not watchdog.watched(), 2.0, "the watchdog to stop renewing")
+    except AssertionError:
+        left = watchdog.watched()
+        for hold in left:
+            watchdog.unwatch(hold)  # so the next test starts clean
+        pytest.fail(
+            "still renewed by the watchdog after the test: "
+            + ", ".join(hold.describe() for hold in left),
+            pytrace=False,
+        )
 
 
 @pytest.fixture

@@ -27,6 +27,7 @@ __all__ = [
     "cancel_repeatedly",
     "dedicated_redis",
     "forget_scripts_but",
+    "held_elsewhere",
     "held_shared",
     "run_worker",
     "script_parked",
@@ -234,3 +235,25 @@ def held_shared(name: str, *labels: str, ttl: float = 60) -> Iterator[list[Any]]
         done.set()
         for thread in threads:
             thread.join(10)
+
+
+@contextmanager
+def held_elsewhere(name: str, **options: Any) -> Iterator[Any]:
+    """Hold lock ``name`` from another thread (another owner) until the block ends.
+
+    ``options`` go to :class:`~django_redis_mutex.Mutex`. At the end the lock
+    is released if it is still held: a test may let it expire or reset it.
+    """
+    from django_redis_mutex import Mutex
+
+    lock = Mutex(name, **options)
+    acquired: list[bool] = []
+    thread = threading.Thread(target=lambda: acquired.append(lock.acquire(blocking=False)))
+    thread.start()
+    thread.join()
+    assert acquired == [True], f"could not take {name!r} for the test"
+    try:
+        yield lock
+    finally:
+        if lock.owned():
+            lock.release()

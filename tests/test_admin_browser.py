@@ -153,6 +153,19 @@ def test_release_link_works_without_javascript(playwright_api, live_server, admi
     assert not Mutex("imports:daily").locked()
 
 
+def test_pause_button_says_paused_once_an_error_has_paused_the_refresh(
+    playwright_api, live_server, admin_user
+):
+    expect = playwright_api.expect
+    with logged_in_page(playwright_api, live_server.url, admin_user) as page:
+        expect(page.locator("#pause-refresh")).to_have_text("Pause auto-refresh")
+        page.goto(f"{live_server.url}{LIST_URL}?pid=x")  # a filter that cannot be used
+        expect(page.locator(".refresh-state")).to_contain_text("Auto-refresh is paused")
+        expect(page.locator("#pause-refresh")).to_have_count(0)
+        expect(page.locator(".object-tools")).to_have_text("Auto-refresh paused")
+        expect(page.locator(".object-tools a[href]")).to_have_count(0)
+
+
 def test_release_of_one_hosts_locks_keeps_the_other_hosts_lock(
     playwright_api, live_server, admin_user, hold_on_host
 ):

@@ -8,9 +8,7 @@ answers with the locks held while it ran (see tests/testapp/views.py).
 from __future__ import annotations
 
 import asyncio
-import threading
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
 from typing import Any
 
 import pytest
@@ -21,19 +19,7 @@ from django_redis_mutex import LockContended, Mutex, mutex
 from django_redis_mutex.signals import lock_acquired
 from tests.testapp.models import Counter
 
-
-@contextmanager
-def held_elsewhere(name: str, **options: Any) -> Iterator[Mutex]:
-    """Hold ``name`` from another thread (another owner) until the block ends."""
-    lock = Mutex(name, **options)
-    thread = threading.Thread(target=lock.acquire, kwargs={"blocking": False})
-    thread.start()
-    thread.join()
-    assert lock.owned()
-    try:
-        yield lock
-    finally:
-        lock.release()
+from .helpers import held_elsewhere
 
 
 @pytest.fixture

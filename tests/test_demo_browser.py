@@ -9,7 +9,7 @@ terminal or a process manager does. See tests/demo_server.py.
 
 from __future__ import annotations
 
-import re
+import os
 import signal
 import time
 from collections.abc import Iterator
@@ -303,6 +303,38 @@ def test_demo_stops_its_redis_server_on_signal(tmp_path: Path, signum: int) -> N
         demo.kill_all()
 
 
+def test_demo_removes_the_redis_folder_a_killed_demo_left_and_no_other(tmp_path: Path) -> None:
+    temp = tmp_path / "tmp"  # the demos' temporary folders go here, and only theirs
+    temp.mkdir()
+    # Not for a demo to remove: a folder no demo marked (a test server's), and
+    # a marked one whose process still runs.
+    unmarked = temp / "django-redis-mutex-redis-unmarked"
+    unmarked.mkdir()
+    live = temp / "django-redis-mutex-redis-live"
+    live.mkdir()
+    (live / "demo-pids").write_text(f"{os.getpid()}\n")
+    killed = Demo(tmp_path / "killed", TMPDIR=str(temp))
+    second = Demo(tmp_path / "second", TMPDIR=str(temp))
+    try:
+        killed.start()
+        assert killed.redis_folder.parent == temp
+
+        assert killed.signal(signal.SIGKILL) == -signal.SIGKILL
+        wait_for(lambda: not pid_alive(killed.redis_pid), 30, "the killed demo's redis-server")
+        assert killed.redis_folder.is_dir()  # no cleanup ran
+
+        second.start()
+
+        assert not killed.redis_folder.exists()
+        assert f"Removed {killed.redis_folder}, left by a demo that was killed." in second.output()
+        assert second.redis_folder.is_dir()
+        assert unmarked.is_dir()
+        assert live.is_dir()
+    finally:
+        killed.kill_all()
+        second.kill_all()
+
+
 def test_redis_down_reads_as_plain_words(tmp_path: Path, browser: Any, playwright_api: Any) -> None:
     expect = playwright_api.expect
     dead = f"redis://127.0.0.1:{free_port()}/0"  # nothing listens there
@@ -332,14 +364,31 @@ def test_redis_down_reads_as_plain_words(tmp_path: Path, browser: Any, playwrigh
 
 
 def test_locks_command_without_a_running_demo_never_uses_6379(tmp_path: Path) -> None:
-    # A URL file left by a SIGKILLed demo, whose Redis is gone: stale.
     demo = Demo(tmp_path / "demo")
     demo.data_dir.mkdir()
-    (demo.data_dir / "redis-url").write_text(f"redis://127.0.0.1:{free_port()}/0\n")
 
     result = demo.manage("locks", "--json")
 
-    assert result.returncode != 0
-    said = result.stderr + result.stdout
-    assert re.search(r"127\.0\.0\.1:1\b", said), said  # port 1: nothing serves it
-    assert "6379" not in said
+    assert result.returncode == 1
+    assert result.stdout == ""
+    assert result.stderr.splitlines() == [
+        "CommandError: The demo is not running, so there is no Redis to read: start it with "
+        "`uv run manage.py demo` (or set REDIS_URL to read another Redis)."
+    ]
+
+
+def test_locks_command_with_a_stale_demo_url_says_the_demo_is_not_running(tmp_path: Path) -> None:
+    # A URL file left by a SIGKILLed demo, whose Redis is gone: stale.
+    demo = Demo(tmp_path / "demo")
+    demo.data_dir.mkdir()
+    gone = f"redis://127.0.0.1:{free_port()}/0"
+    (demo.data_dir / "redis-url").write_text(gone + "\n")
+
+    result = demo.manage("locks")
+
+    assert result.returncode == 1
+    assert result.stdout == ""
+    [line] = result.stderr.splitlines()
+    assert line.startswith(f"CommandError: The demo is not running: nothing answers at {gone}, ")
+    assert "`uv run manage.py demo`" in line
+    assert "6379" not in line

@@ -39,7 +39,7 @@ from .django_task_jobs import (
     refresh,
     refresh_or_fail,
 )
-from .helpers import ROOT, wait_until
+from .helpers import ROOT, held_elsewhere, wait_until
 from .worker import Worker
 
 # Generous bound: these tests run on a busy 2-core machine.
@@ -64,16 +64,6 @@ def check_one_at_a_time(done: list[dict[str, Any]], customer_id: int, work: floa
     overlaps = [(a, b) for a, b in pairwise(serial) if b["start"] < a["end"]]
     assert overlaps == [], f"runs of customer {customer_id} overlapped: {overlaps}"
     assert max(r["waited"] for r in serial) > work / 2, "no run ever waited for the lock"
-
-
-def held_elsewhere(name: str) -> Mutex:
-    """Return a handle holding ``name``, acquired by another thread (so another owner)."""
-    lock = Mutex(name, ttl=60)
-    thread = threading.Thread(target=lock.acquire, kwargs={"blocking": False})
-    thread.start()
-    thread.join()
-    assert lock.owned()
-    return lock
 
 
 # -- ImmediateBackend: tasks run in the threads that enqueue them ---------------
@@ -119,8 +109,7 @@ def test_immediate_tasks_run_one_per_key_at_a_time_across_threads(
 def test_immediate_skip_if_locked_task_succeeds_without_running_while_held(
     raw: redis.Redis, log: str
 ) -> None:
-    holder = held_elsewhere("refresh:7")
-    try:
+    with held_elsewhere("refresh:7", ttl=60):
         skipped = refresh.enqueue(7, log)
         assert skipped.status == TaskResultStatus.SUCCESSFUL
         assert skipped.return_value is None
@@ -128,8 +117,6 @@ def test_immediate_skip_if_locked_task_succeeds_without_running_while_held(
         assert failed.status == TaskResultStatus.FAILED
         assert failed.errors[0].exception_class is LockContended
         assert refresh.enqueue(8, log).return_value == "refreshed"
-    finally:
-        holder.release()
     assert refresh.enqueue(7, log).return_value == "refreshed"
 
     assert [r["customer_id"] for r in runs(raw, log)] == [8, 7]

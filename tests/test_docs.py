@@ -125,3 +125,22 @@ def test_no_python_hides_in_a_plain_literal_block() -> None:
                 if looks_like_python.match(following):
                     offenders.append(f"{document.relative_to(ROOT)}:{index + 1}")
     assert offenders == []
+
+
+def test_install_commands_install_into_the_active_environment() -> None:
+    """A bare ``pip`` is the first on PATH, which after ``uv venv`` is often not the venv's."""
+    installs = [
+        (block.where, line)
+        for document in DOCUMENTS
+        for block in blocks_of(document)
+        if block.language == "console"
+        for line in block.code.splitlines()
+        if " install " in line
+    ]
+    assert len(installs) >= 4, installs  # the collector finds README's and install.rst's
+    bare = [
+        (where, line)
+        for where, line in installs
+        if not re.match(r"\$ (python -m pip|uv pip|uv sync|uv build)\b", line.strip())
+    ]
+    assert bare == []

@@ -12,6 +12,7 @@ import builtins
 import contextlib
 import json
 import os
+import re
 import subprocess
 import sys
 import threading
@@ -124,6 +125,24 @@ def test_table_says_so_when_nothing_is_held() -> None:
     )
 
 
+def test_filtered_table_when_nothing_is_held_names_the_filter() -> None:
+    assert locks("--label", "deploy").splitlines()[1:] == [
+        "No locks are held in cache 'default', so none matches the filter (label 'deploy')."
+    ]
+
+
+def test_semaphore_lines_write_time_left_as_the_lock_table_does(
+    held: list[Mutex], permits: list[Semaphore]
+) -> None:
+    hold(held, "inventory", ttl=30)
+    take_permit(permits, "exports", 2)
+    lines = locks().splitlines()
+    lock_left = lines[2].split()[7:9]  # TIME LEFT, after HELD FOR
+    [permit_line] = [line for line in lines if line.endswith(" left")]
+    assert lock_left[1] == "s" and float(lock_left[0]) > 0
+    assert re.search(r"  \d+\.\d s left$", permit_line), permit_line
+
+
 def test_table_names_each_master_of_a_quorum(settings: Any) -> None:
     default = settings.CACHES["default"]
     settings.CACHES = {
@@ -175,6 +194,13 @@ def test_json_is_an_array_of_heldlock_fields(held: list[Mutex]) -> None:
     assert item["acquired_at"].endswith("+00:00")
 
 
+def test_help_says_when_the_deprecated_ttl_of_json_goes() -> None:
+    result = _manage("--help")
+    assert result.returncode == 0, result.stderr
+    text = " ".join(result.stdout.split())
+    assert 'A lock\'s "ttl" repeats "time_left" and is deprecated: it is removed in 0.2.0.' in text
+
+
 def test_json_of_nothing_held_is_an_empty_array() -> None:
     assert json.loads(locks("--json")) == []
 
@@ -182,13 +208,36 @@ def test_json_of_nothing_held_is_an_empty_array() -> None:
 # -- reset -----------------------------------------------------------------
 
 
-def test_reset_releases_held_names_and_reports_those_not_held(held: list[Mutex]) -> None:
+def test_reset_releases_held_names_then_fails_naming_those_not_held(held: list[Mutex]) -> None:
     lock = hold(held, "payments")
-    out = locks("--reset", "payments", "never-taken")
-    assert out.splitlines() == ["Released 'payments'.", "'never-taken' was not held."]
+    out = StringIO()
+    with pytest.raises(CommandError) as raised:
+        call_command("locks", "--reset", "payments", "never-taken", stdout=out)
+    assert str(raised.value) == "No lock 'never-taken' is held in cache 'default'; nothing reset."
+    assert out.getvalue().splitlines() == ["Released 'payments'."]
     assert not Mutex("payments").locked()
     with pytest.raises(LockNotOwned):
         lock.release()
+
+
+def test_reset_of_a_semaphore_name_points_to_reset_semaphore(permits: list[Semaphore]) -> None:
+    permit = take_permit(permits, "exports", 2)
+    with pytest.raises(CommandError, match=r"has permits held: use --reset-semaphore 'exports'"):
+        locks("--reset", "exports")
+    assert [h.token for s in held_semaphores() for h in s.holders] == [permit.token]
+
+
+@pytest.mark.parametrize(
+    "args",
+    [["--reset", "never-taken"], ["--reset-semaphore", "never-taken"]],
+    ids=["lock", "semaphore"],
+)
+def test_reset_of_a_name_not_held_exits_1_for_locks_and_semaphores_alike(args: list[str]) -> None:
+    result = _manage(*args)
+    assert result.returncode == 1
+    assert result.stdout == ""
+    [line] = result.stderr.splitlines()
+    assert line.startswith("CommandError: No ") and "'never-taken' is held in cache" in line
 
 
 def test_reset_leaves_other_locks_held(held: list[Mutex]) -> None:
@@ -509,7 +558,7 @@ def test_bad_filter_is_a_command_error_naming_it(
     assert lock.owned()
 
 
-def _manage(*args: str) -> subprocess.CompletedProcess[str]:
+def _manage(*args: str, **popen: Any) -> subprocess.CompletedProcess[str]:
     env = dict(
         os.environ,
         DJANGO_SETTINGS_MODULE="tests.settings",
@@ -522,7 +571,35 @@ def _manage(*args: str) -> subprocess.CompletedProcess[str]:
         capture_output=True,
         text=True,
         timeout=60,
+        **popen,
     )
+
+
+def _close_stdin() -> None:
+    os.close(0)
+
+
+# How cron, CI or a script runs the command: stdin at its end, or no stdin at all.
+NO_TERMINAL = [
+    pytest.param({"stdin": subprocess.DEVNULL}, id="stdin-dev-null"),
+    pytest.param({"stdin": subprocess.DEVNULL, "preexec_fn": _close_stdin}, id="stdin-closed"),
+]
+
+
+@pytest.mark.parametrize("popen", NO_TERMINAL)
+@pytest.mark.parametrize("filters", [[], ["--host", "web1"]], ids=["all", "filtered"])
+def test_reset_all_without_a_terminal_fails_in_one_line_naming_noinput(
+    popen: dict[str, Any], filters: list[str], hold_on_host: Any
+) -> None:
+    kept = hold_on_host("deploy:web1", "web1")
+    result = _manage("--reset-all", *filters, **popen)
+    assert result.returncode == 1
+    assert "Traceback" not in result.stderr
+    assert result.stderr.splitlines() == [
+        "CommandError: Confirmation needs a terminal, and standard input is closed or at "
+        "its end; pass --noinput to reset without asking."
+    ]
+    assert kept.let_go() == "released"
 
 
 def test_reset_all_by_host_from_the_command_line(hold_on_host: Any) -> None:

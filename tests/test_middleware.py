@@ -10,9 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import threading
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -21,27 +19,13 @@ from asgiref.sync import iscoroutinefunction
 from django.http import HttpRequest, HttpResponse
 from django.test import AsyncClient, Client, RequestFactory
 
-from django_redis_mutex import Mutex
 from django_redis_mutex.middleware import MutexMiddleware
 from django_redis_mutex.testing import free_port
 from tests.testapp import views
 
+from .helpers import held_elsewhere
+
 BROWSER_ACCEPT = "text/html,application/xhtml+xml,application/xml;q=0.9,*/*;q=0.8"
-
-
-@contextmanager
-def held_elsewhere(name: str, **options: Any) -> Iterator[Mutex]:
-    """Hold ``name`` from another thread (another owner) until the block ends."""
-    lock = Mutex(name, **options)
-    acquired: list[bool] = []
-    thread = threading.Thread(target=lambda: acquired.append(lock.acquire(blocking=False)))
-    thread.start()
-    thread.join()
-    assert acquired == [True], f"could not take {name!r} for the test"
-    try:
-        yield lock
-    finally:
-        lock.release()
 
 
 @pytest.fixture

@@ -136,6 +136,39 @@ def test_keys_of_one_test_are_gone_in_the_next_and_no_others(
     result.assert_outcomes(passed=2)
 
 
+def test_a_semaphore_left_held_by_one_test_is_free_in_the_next(
+    user_project: pytest.Pytester,
+) -> None:
+    user_project.makepyfile(
+        test_semaphores="""
+        import redis
+        from django_redis_mutex import Semaphore
+        from django_redis_mutex.client import namespace
+
+        def lookalikes():
+            # In the namespace, but not in the layout of any key the app writes.
+            ns = namespace("default")
+            return {f"{ns}:semaphore": "1", f"{ns}:semaphores:{{x}}:holders": "1"}
+
+        def test_first_leaves_the_only_permit_held(redis_mutex_cache, redis_mutex_server):
+            permit = Semaphore("exports", 1, ttl=300, watchdog=False)
+            assert permit.acquire(blocking=False)
+            raw = redis.Redis(port=redis_mutex_server.port)
+            raw.mset(lookalikes())
+
+        def test_second_takes_it(redis_mutex_cache, redis_mutex_server):
+            permit = Semaphore("exports", 1, ttl=300, watchdog=False)
+            assert permit.acquire(blocking=False)
+            permit.release()
+            raw = redis.Redis(port=redis_mutex_server.port)
+            # The clean-up after the first test left the lookalikes alone.
+            assert set(lookalikes()) <= {key.decode() for key in raw.scan_iter()}
+        """
+    )
+    result = run(user_project)
+    result.assert_outcomes(passed=2)
+
+
 def test_overridden_alias_turns_a_local_memory_cache_into_redis(
     user_project: pytest.Pytester,
 ) -> None:

@@ -360,9 +360,9 @@ def test_command_reset_through_quorum_alias_frees_every_master(
     # Held with the watchdog on, in this process: the reset must beat its renewals.
     lock = hold(held, "imports", ttl=3)
 
-    out = locks("--using", QUORUM, "--reset", "imports", "never-taken")
+    out = locks("--using", QUORUM, "--reset", "imports")
 
-    assert out.splitlines() == ["Released 'imports'.", "'never-taken' was not held."]
+    assert out.splitlines() == ["Released 'imports'."]
     assert tokens_on_masters(quorum, "imports") == [None] * 3
     wait_until(lambda: lock.lost, STEP, "the watchdog to notice the reset")
     assert tokens_on_masters(quorum, "imports") == [None] * 3

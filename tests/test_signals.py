@@ -7,7 +7,6 @@ import os
 import threading
 import time
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
 from typing import Any
 
 import pytest
@@ -26,7 +25,7 @@ from django_redis_mutex import (
 from django_redis_mutex.signals import lock_acquired, lock_contended, lock_lost, lock_released
 from django_redis_mutex.testing import free_port
 
-from .helpers import await_until, take_and_release, wait_until
+from .helpers import await_until, held_elsewhere, take_and_release, wait_until
 
 
 class Received(list[dict[str, Any]]):
@@ -55,21 +54,6 @@ def receive() -> Iterator[Callable[[Signal], Received]]:
     yield connect
     for signal, received in connected:
         signal.disconnect(received)
-
-
-@contextmanager
-def held_elsewhere(name: str, **options: Any) -> Iterator[Mutex]:
-    """Hold ``name`` from another thread (another owner) until the block ends."""
-    lock = Mutex(name, **options)
-    thread = threading.Thread(target=lock.acquire, kwargs={"blocking": False})
-    thread.start()
-    thread.join()
-    assert lock.owned()
-    try:
-        yield lock
-    finally:
-        if lock.owned():
-            lock.release()
 
 
 def test_lock_acquired_is_sent_with_name_fence_and_wait(receive: Any) -> None:

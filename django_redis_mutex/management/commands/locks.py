@@ -69,7 +69,6 @@ from django_redis_mutex.semaphore import (
     HeldSemaphore,
     held_semaphores,
     reset_semaphore,
-    semaphore_lines,
 )
 
 COLUMNS = ("NAME", "HOST", "PID", "THREAD", "LABEL", "HELD FOR", "TIME LEFT", "FENCE", "WAITERS")
@@ -185,6 +184,22 @@ def json_entries(locks: list[HeldLock], semaphores: list[HeldSemaphore]) -> list
     ]
 
 
+def semaphore_lines(semaphores: list[HeldSemaphore], alias: str) -> list[str]:
+    """Return the lines printed below the table of locks: each semaphore, then its permits.
+
+    Times left are written as in the table (``display.duration``: "25.8 s").
+    """
+    if not semaphores:
+        return []
+    lines = [f"Semaphores in cache {alias!r}:"]
+    for held in semaphores:
+        limit = "?" if held.limit is None else str(held.limit)
+        waiting = f", {held.waiters} waiting" if held.waiters else ""
+        lines.append(f"  {held.name}  {len(held.holders)}/{limit} permits held{waiting}")
+        lines.extend(f"    {h.owner}  {duration(h.time_left)} left" for h in held.holders)
+    return lines
+
+
 def _plural(count: int, word: str) -> str:
     return f"{count} {word}" if count == 1 else f"{count} {word}s"
 
@@ -215,14 +230,18 @@ class Command(BaseCommand):
             action="store_true",
             help=(
                 'Prints the held locks and semaphores as a JSON array (each entry\'s "kind" '
-                'is "lock" or "semaphore") instead of a table.'
+                'is "lock" or "semaphore") instead of a table. A lock\'s "ttl" repeats '
+                '"time_left" and is deprecated: it is removed in 0.2.0.'
             ),
         )
         action.add_argument(
             "--reset",
             nargs="+",
             metavar="NAME",
-            help="Force-releases the named locks, saying which of them were held.",
+            help=(
+                "Force-releases the named locks; fails naming those not held, after "
+                "releasing the others."
+            ),
         )
         action.add_argument(
             "--reset-semaphore",
@@ -293,8 +312,8 @@ class Command(BaseCommand):
                     self.stdout.write(json.dumps(json_entries(locks, semaphores), indent=2))
                 else:
                     self.show_table(alias, locks, lock_filter, total=len(found))
-                    if not lock_filter and not quorum_members(alias):
-                        for line in semaphore_lines(alias):
+                    if not lock_filter:
+                        for line in semaphore_lines(self.semaphores(alias), alias):
                             self.stdout.write(terminal_safe(line))
 
     def semaphores(self, alias: str) -> list[HeldSemaphore]:
@@ -399,6 +418,10 @@ class Command(BaseCommand):
                     f"No held lock in cache {alias!r} matches the filter ({chosen}); "
                     f"{_plural(total, 'lock')} held."
                 )
+            elif chosen:
+                self.stdout.write(
+                    f"No locks are held in cache {alias!r}, so none matches the filter ({chosen})."
+                )
             else:
                 self.stdout.write(f"No locks are held in cache {alias!r}.")
             return
@@ -428,12 +451,48 @@ class Command(BaseCommand):
             return
         self.stdout.write(f"{_plural(len(locks), 'lock')} held in cache {alias!r}{where}.")
 
+    def ask(self, question: str) -> str:
+        """Return the answer typed to ``question``; fail in one line when nothing can answer.
+
+        From cron, CI or a script, standard input is closed or at its end:
+        ``input()`` would raise EOFError, printed as a traceback.
+        """
+        try:
+            return input(question)
+        except (EOFError, RuntimeError) as exc:  # RuntimeError: no sys.stdin at all
+            raise CommandError(
+                "Confirmation needs a terminal, and standard input is closed or at its end; "
+                "pass --noinput to reset without asking."
+            ) from exc
+
     def reset_names(self, alias: str, names: list[str]) -> None:
+        """Force-release each named lock; fail naming those that were not held.
+
+        The rule of ``--reset-semaphore`` too: a name not held is most often a
+        typo or a semaphore's name, so the command exits non-zero for a script
+        to notice, after releasing the others.
+        """
+        missing = []
         for name in names:
             if reset(name, using=alias):
                 self.stdout.write(self.style.SUCCESS(f"Released {name!r}."))
             else:
-                self.stdout.write(self.style.WARNING(f"{name!r} was not held."))
+                missing.append(name)
+        if missing:
+            raise CommandError(self.not_held_locks(alias, missing))
+
+    def not_held_locks(self, alias: str, names: list[str]) -> str:
+        """Say which locks were not held, and which of those names are held semaphores."""
+        shown = ", ".join(repr(terminal_safe(name)) for name in names)
+        message = f"No lock {shown} is held in cache {alias!r}; nothing reset."
+        semaphores = sorted({held.name for held in self.semaphores(alias)} & set(names))
+        if semaphores:
+            as_semaphores = " ".join(repr(terminal_safe(name)) for name in semaphores)
+            message += (
+                " A semaphore of that name has permits held: "
+                f"use --reset-semaphore {as_semaphores}."
+            )
+        return message
 
     def reset_everything(self, alias: str, *, interactive: bool) -> None:
         # Refuse a member of a quorum before asking, not after a "yes".
@@ -441,7 +500,7 @@ class Command(BaseCommand):
         if interactive:
             # Counting first also reports a wrong alias or a dead Redis before asking.
             held = len(held_locks(using=alias))
-            confirm = input(
+            confirm = self.ask(
                 f"You have requested to force-release every lock in cache {alias!r} "
                 f"({_plural(held, 'lock')} held now).\n"
                 "Their holders keep running without the lock and only learn of it when\n"
@@ -480,7 +539,7 @@ class Command(BaseCommand):
             else ""
         )
         if interactive:
-            confirm = input(
+            confirm = self.ask(
                 f"You have requested to force-release the {_plural(len(selection), 'lock')} "
                 f"listed above{shared_note}.\n"
                 "Their holders keep running without the lock and only learn of it when\n"

@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import glob
 import os
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from types import FrameType
 from typing import Any
@@ -18,6 +21,12 @@ from django.core.management.base import BaseCommand
 from django_redis_mutex.testing import RedisServer
 
 from ...process import die_with_parent
+
+# In a demo Redis's folder: the pids of the demo and its server. A folder
+# whose processes are all gone was left by a demo killed with SIGKILL (or by
+# the OOM killer), where no cleanup runs; the next demo removes it.
+OWNERS_FILE = "demo-pids"
+FOLDER_PATTERN = "django-redis-mutex-redis-*"  # RedisServer's temporary folders
 
 DEMO_USER = "admin"
 DEMO_PASSWORD = "admin"
@@ -56,6 +65,10 @@ class DemoRedisServer(RedisServer):
             start_new_session=True,  # Ctrl-C in the terminal is the demo's to handle
             preexec_fn=lambda: die_with_parent(parent),
         )
+        owners = os.path.join(self._dir, OWNERS_FILE)
+        with open(owners + ".new", "w", encoding="utf-8") as file:
+            file.write(f"{parent} {self.process.pid}\n")
+        os.replace(owners + ".new", owners)  # never read half-written
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.process.poll() is not None:
@@ -70,6 +83,44 @@ class DemoRedisServer(RedisServer):
     def folder(self) -> str:
         """The server's temporary working folder (removed by close())."""
         return self._dir
+
+
+def _alive(pid: int) -> bool:
+    """Return True while ``pid`` runs; a zombie (exited, not yet reaped) does not."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True  # someone else's process, but it exists
+    try:
+        # A killed demo's redis-server is re-parented, and may wait a while to be reaped.
+        with open(f"/proc/{pid}/stat", encoding="ascii", errors="replace") as file:
+            return file.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except (OSError, IndexError):
+        return True  # no /proc (not Linux): os.kill said it exists
+
+
+def remove_stale_folders() -> list[str]:
+    """Remove the folders of demo Redis servers whose demo and server are gone; return them.
+
+    Only folders of this user that a demo marked with its OWNERS_FILE are
+    considered: a test server's folder, or a demo's still being started, has
+    none and is left alone, as is any folder one of whose processes still runs.
+    """
+    removed = []
+    for folder in glob.glob(os.path.join(tempfile.gettempdir(), FOLDER_PATTERN)):
+        try:
+            if os.lstat(folder).st_uid != os.getuid() or os.path.islink(folder):
+                continue
+            with open(os.path.join(folder, OWNERS_FILE), encoding="utf-8") as file:
+                pids = [int(pid) for pid in file.read().split()]
+        except (OSError, ValueError):
+            continue
+        if pids and not any(_alive(pid) for pid in pids):
+            shutil.rmtree(folder, ignore_errors=True)
+            removed.append(folder)
+    return removed
 
 
 def _stop_on_signal(signum: int, frame: FrameType | None) -> None:
@@ -98,6 +149,8 @@ class Command(BaseCommand):
             signal.signal(signum, _stop_on_signal)
         try:
             if not os.environ.get("REDIS_URL"):
+                for folder in remove_stale_folders():
+                    self.stdout.write(f"Removed {folder}, left by a demo that was killed.")
                 server = DemoRedisServer()
                 server.start()
                 for entry in settings.CACHES.values():
