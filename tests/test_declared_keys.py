@@ -37,6 +37,7 @@ from typing import Any
 import pytest
 import redis
 from django.conf import settings
+from django.db import transaction
 from django.test import override_settings
 
 from django_redis_mutex import (
@@ -383,7 +384,19 @@ class Mix:
         with mutex(self.name(), using=QUORUM) as lock:
             assert not Mutex(lock.name, using=QUORUM, reentrant=False).acquire(blocking=False)
 
+    def member_held(self) -> None:
+        # A plain lock on one member: the quorum wins the other two, then asks
+        # that member who holds it (HELD_ALONE) and gives way.
+        with mutex(self.name(), using=QUORUM[0]) as lock:
+            assert not Mutex(lock.name, using=QUORUM).acquire(blocking=False)
 
+    def in_transaction(self) -> None:
+        # Kept until the COMMIT: the owner record is marked (MARK_TRANSACTION).
+        with transaction.atomic(), mutex(self.name()):
+            pass
+
+
+@pytest.mark.django_db(transaction=True)
 def test_every_key_a_script_touches_is_declared_in_its_keys(
     monitored: tuple[RedisServer, redis.Redis],
 ) -> None:
@@ -400,6 +413,8 @@ def test_every_key_a_script_touches_is_declared_in_its_keys(
         mix.renewed,
         mix.listing,
         mix.quorum,
+        mix.member_held,
+        mix.in_transaction,
     ]
     plan = operations + [mix.rng.choice(operations) for _ in range(20)]
     mix.rng.shuffle(plan)
@@ -419,7 +434,10 @@ def test_every_key_a_script_touches_is_declared_in_its_keys(
     finally:
         keys_of.close()
     ran = {run.script for run in runs}
-    assert ran >= {"acquire", "release", "cancel", "reset", "extend", "wake", "raise_fence"}
+    assert ran >= {
+        *("acquire", "release", "cancel", "reset", "extend", "wake", "raise_fence"),
+        *("held_alone", "mark_transaction"),
+    }
     # Both ways of waking a waiter ran: inside RELEASE, and by WAKE.
     pushed_by = {run.script for run in runs if any(c.name == "RPUSH" for c in run.ran)}
     assert pushed_by >= {"release", "wake"}, f"seed {SEED}"

@@ -22,6 +22,7 @@ from urllib.parse import urlsplit
 
 import pytest
 import redis
+from django.db import transaction
 from redis.crc import key_slot
 
 from django_redis_mutex import (
@@ -562,6 +563,7 @@ def test_bad_names_and_options_are_refused_naming_the_problem() -> None:
 # -- declared keys --------------------------------------------------------------------------------
 
 
+@pytest.mark.django_db(transaction=True)
 def test_every_key_a_semaphore_script_touches_is_declared_in_its_keys(
     monitored: tuple[RedisServer, redis.Redis],  # noqa: F811  (the imported fixture)
 ) -> None:
@@ -614,6 +616,9 @@ def test_every_key_a_semaphore_script_touches_is_declared_in_its_keys(
             threads[1].join(10)
             assert third.token is not None
             third.release()
+            # Kept until the COMMIT: the holder's owner record is marked.
+            with transaction.atomic(), Semaphore(name, 1):
+                pass
             # A lease that ends with nobody renewing it, pruned by the next acquisition.
             lapsing = Semaphore(name, 1, ttl=0.05, watchdog=False)
             assert lapsing.acquire(blocking=False)
