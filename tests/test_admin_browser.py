@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -19,8 +20,9 @@ from typing import Any
 
 import pytest
 from django.contrib.admin.models import DELETION, LogEntry
+from django.db import connection, transaction
 
-from django_redis_mutex import LockLost, LockNotOwned, Mutex, Semaphore, held_locks
+from django_redis_mutex import LockLost, LockNotOwned, Mutex, Semaphore, held_locks, mutex
 
 from .helpers import ROOT, held_shared
 
@@ -233,6 +235,48 @@ def test_shared_lock_lists_every_holder_and_its_release_frees_them_all(
         assert writer.acquire(blocking=False)  # both readers gone: a writer gets in
         writer.release()
     assert held_locks() == []
+
+
+def test_a_lock_kept_for_its_transaction_says_so_until_the_commit_frees_it(
+    playwright_api, live_server, admin_user
+):
+    # One tab's request (here a thread) has left its locked block but not yet
+    # committed; the operator looks at the Locks page in the meantime.
+    expect = playwright_api.expect
+    inside, commit = threading.Event(), threading.Event()
+    failures: list[BaseException] = []
+
+    def request_in_a_transaction() -> None:
+        try:
+            with transaction.atomic():
+                with mutex("orders:export", label="nightly export"):
+                    pass
+                inside.set()
+                assert commit.wait(30)
+        except BaseException as exc:  # reported below
+            failures.append(exc)
+        finally:
+            inside.set()
+            connection.close()
+
+    worker = threading.Thread(target=request_in_a_transaction)
+    worker.start()
+    try:
+        assert inside.wait(30) and not failures, failures
+        with logged_in_page(playwright_api, live_server.url, admin_user) as page:
+            row = page.locator('tr[data-lock="orders:export"]')
+            expect(row.locator("td.field-label")).to_contain_text("nightly export")
+            expect(row.locator(".lock-transaction")).to_have_text(
+                "kept until its transaction on default ends"
+            )
+            commit.set()
+            worker.join(30)
+            page.reload()
+            expect(page.locator('tr[data-lock="orders:export"]')).to_have_count(0)
+    finally:
+        commit.set()
+        worker.join(30)
+    assert not failures, failures
 
 
 @pytest.fixture
