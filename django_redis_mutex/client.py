@@ -8,6 +8,7 @@ translated into :class:`LockBackendUnavailable` here, once.
 from __future__ import annotations
 
 import asyncio
+import logging
 import threading
 import time
 import weakref
@@ -67,6 +68,8 @@ UNAVAILABLE = (
     redis_errors.RedisClusterException,
 )
 
+logger = logging.getLogger("django_redis_mutex")
+
 _lock = threading.Lock()
 _sync_clients: dict[str, redis.Redis] = {}
 _async_clients: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, dict[str, Any]] = (
@@ -77,6 +80,8 @@ _derived_clients: dict[tuple[str, str, float | None], Any] = {}
 # Aliases whose Redis could not be asked for its eviction policy at first use,
 # with the monotonic time to ask again (see _vet).
 _unvetted: dict[str, float] = {}
+# Aliases whose eviction policy is being asked in the background.
+_probing: set[str] = set()
 
 # How long asking a Redis for its eviction policy may take (connect and read),
 # and how long to wait before asking again a Redis that did not answer.
@@ -261,7 +266,15 @@ def _vet(alias: str, client: Any) -> None:
     """
     verdict = eviction.remembered(alias)
     if verdict is None:
-        if time.monotonic() < _unvetted.get(alias, 0.0):
+        if time.monotonic() < _unvetted.get(alias, 0.0) or alias in _probing:
+            return
+        if not get_settings(alias).require_noeviction:
+            # Only a warning hangs on the answer: ask in the background, so a
+            # slow or paused server (a quorum master) never delays a lock.
+            _probing.add(alias)
+            threading.Thread(
+                target=_vet_quietly, args=(alias, client), daemon=True, name="mutex-vet"
+            ).start()
             return
         try:
             with probe_client(alias, base=client) as probe:
@@ -272,6 +285,20 @@ def _vet(alias: str, client: Any) -> None:
         _unvetted.pop(alias, None)
     if get_settings(alias).require_noeviction:
         eviction.refuse_if_evicting(verdict)
+
+
+def _vet_quietly(alias: str, client: Any) -> None:
+    """Ask ``alias``'s Redis for its eviction policy off the caller's path; warn if it may evict."""
+    try:
+        with probe_client(alias, base=client) as probe:
+            eviction.first_read(alias, probe)
+        _unvetted.pop(alias, None)
+    except (*UNAVAILABLE, redis_errors.RedisClusterException):
+        _unvetted[alias] = time.monotonic() + VET_RETRY
+    except Exception:  # a settings change mid-way; never a thread dying with a traceback
+        logger.debug("Could not ask %r for its eviction policy.", alias, exc_info=True)
+    finally:
+        _probing.discard(alias)
 
 
 def socket_timeout(client: Any) -> float | None:

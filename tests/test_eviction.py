@@ -24,7 +24,7 @@ from django.core.exceptions import ImproperlyConfigured
 from django.core.management import call_command
 from django.test import Client, override_settings
 
-from django_redis_mutex import LockBackendUnavailable, Mutex, Semaphore, mutex
+from django_redis_mutex import LockBackendUnavailable, Mutex, Semaphore, eviction, mutex
 from django_redis_mutex.checks import check_lock_eviction
 from django_redis_mutex.conf import parse_settings
 from django_redis_mutex.testing import (
@@ -33,6 +33,7 @@ from django_redis_mutex.testing import (
     free_port,
     lock_acl_rules,
 )
+from tests.helpers import wait_until
 
 EVICTING = ["allkeys-lru", "volatile-lru"]
 LOGGER = "django_redis_mutex"
@@ -59,6 +60,11 @@ def lock_redis(*extra_args: str, **mutex_options: Any) -> Iterator[redis.Redis]:
 
 def policy_args(policy: str, maxmemory: str = "64mb") -> list[str]:
     return ["--maxmemory", maxmemory, "--maxmemory-policy", policy]
+
+
+def vetted(alias: str = "default") -> None:
+    """Wait for the eviction check a lock's first use started in the background."""
+    wait_until(lambda: eviction.remembered(alias) is not None, 10, "the eviction check")
 
 
 def info_calls(client: redis.Redis) -> int:
@@ -111,6 +117,7 @@ def test_first_lock_on_an_evicting_server_logs_one_warning_naming_alias_policy_a
         for _ in range(3):
             with mutex("report"):
                 pass
+        vetted()
         assert info_calls(client) == 1  # the first cycle asked; the others did not
     (message,) = eviction_warnings(caplog)
     assert "cache 'default'" in message.lower()
@@ -126,6 +133,7 @@ def test_async_first_use_warns_once_too(caplog: pytest.LogCaptureFixture) -> Non
 
     with lock_redis(*policy_args("allkeys-lru")) as client, caplog.at_level(logging.WARNING):
         asyncio.run(cycles())
+        vetted()
         assert info_calls(client) == 1
     assert len(eviction_warnings(caplog)) == 1
 
@@ -141,6 +149,7 @@ def test_a_server_that_never_evicts_is_not_warned_about(
     with lock_redis(*args), caplog.at_level(logging.WARNING, LOGGER):
         with mutex("report"):
             pass
+        vetted()
         assert check_ids() == []
     assert eviction_warnings(caplog) == []
 
@@ -159,8 +168,10 @@ def test_a_server_down_at_first_use_is_asked_once_it_is_back(
         with pytest.raises(LockBackendUnavailable):
             Mutex("report").acquire()
         assert eviction_warnings(caplog) == []
-        with server, mutex("report"):
-            pass
+        with server:
+            with mutex("report"):
+                pass
+            vetted()
     assert len(eviction_warnings(caplog)) == 1
 
 
@@ -182,6 +193,7 @@ def test_a_cluster_with_one_evicting_primary_is_warned_about(
         with override_settings(CACHES={"default": entry}), caplog.at_level(logging.WARNING):
             with mutex("report"):
                 pass
+            vetted()
             assert check_ids() == ["django_redis_mutex.W003"]
     (message,) = eviction_warnings(caplog)
     assert "maxmemory-policy allkeys-lru" in message
