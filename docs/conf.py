@@ -30,7 +30,7 @@ version = __version__
 
 extensions = [
     "sphinx.ext.autodoc",
-    "sphinx.ext.viewcode",
+    "viewcode_backlinks",  # sphinx.ext.viewcode, "[docs]" links to each object's anchor
     "benchmark_tables",
 ]
 exclude_patterns = ["_build", "_ext"]
