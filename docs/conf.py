@@ -38,6 +38,8 @@ autodoc_member_order = "bysource"
 autodoc_typehints = "description"
 autodoc_default_options = {"members": True, "show-inheritance": True}
 html_theme = "furo"
+html_static_path = ["_static"]
+html_css_files = ["screenshots.css"]
 
 # Every cross-reference must resolve: a broken one fails the build (-W).
 # The site is built offline (no intersphinx), so references to the standard
