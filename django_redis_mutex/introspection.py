@@ -101,7 +101,7 @@ class HeldLock:
 
     @property
     def ttl(self) -> float:
-        """Deprecated name of :attr:`time_left` (``ttl`` elsewhere means the lease)."""
+        """Deprecated name of ``time_left`` (``ttl`` elsewhere means the lease)."""
         warnings.warn(
             "HeldLock.ttl is deprecated: use HeldLock.time_left (ttl= is the lease length).",
             DeprecationWarning,
@@ -433,10 +433,11 @@ def held_locks(using: str | Sequence[str] = "default") -> list[HeldLock]:
 
 
 def listed_locks(using: str | Sequence[str] = "default") -> list[ListedLock]:
-    """Return the locks :func:`held_locks` returns, each with the token it is held under.
+    """Return the locks :func:`~django_redis_mutex.held_locks` returns, each with its token.
 
-    For a reset of a selection an operator saw (:func:`reset_listed`): what
-    changed hands after this listing is then left alone.
+    Each carries the token its lock is held under, for a reset of a selection
+    an operator saw (:func:`reset_listed`): what changed hands after this
+    listing is then left alone.
 
     .. versionadded:: 0.1
     """
@@ -485,7 +486,8 @@ def reset(name: str, using: str | Sequence[str] = "default") -> bool:
     fewer than that cannot hold a majority, so the reset counts as done.
 
     A plain alias that is a member of a configured quorum raises ValueError
-    instead of clearing one master only (see :func:`ensure_resettable`).
+    instead of clearing one master only (see
+    :func:`~django_redis_mutex.introspection.ensure_resettable`).
     """
     validate_name(name)
     alias, members = _resolve(using)
@@ -529,7 +531,8 @@ def reset_all(using: str | Sequence[str] = "default") -> int:
     For a quorum, every lock name found on any master is reset on every
     master, and the count is of distinct names some master held. Unreachable
     masters are handled as by :func:`reset`; a member alias of a configured
-    quorum raises ValueError (see :func:`ensure_resettable`).
+    quorum raises ValueError (see
+    :func:`~django_redis_mutex.introspection.ensure_resettable`).
     """
     alias, members = _resolve(using)
     if members is not None:
@@ -563,12 +566,14 @@ def reset_listed(listed: ListedLock, using: str | Sequence[str] = "default") -> 
     Compare-and-reset: the release script removes the lock only while it holds
     ``listed.token``, so a lock that was released, expired or changed hands
     since :func:`listed_locks` read it is left to its new holder (False). As
-    with :func:`reset`, the first waiter is handed the lock and woken.
+    with :func:`~django_redis_mutex.reset`, the first waiter is handed the
+    lock and woken.
 
     For a quorum the release runs on every master and returns True if any of
     them still held that token; masters that cannot be reached are handled as
-    by :func:`reset`, and a member alias of a configured quorum raises
-    ValueError (see :func:`ensure_resettable`).
+    by :func:`~django_redis_mutex.reset`, and a member alias of a configured
+    quorum raises ValueError (see
+    :func:`~django_redis_mutex.introspection.ensure_resettable`).
 
     .. versionadded:: 0.1
     """

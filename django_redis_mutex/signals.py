@@ -29,9 +29,9 @@ Each is sent with ``sender`` set to the cache alias and these keyword arguments:
     by one ``False`` from the same acquisition.
 ``lock_unavailable``
     ``name``, ``wait`` (seconds spent before the failure), ``error`` (the
-    :class:`~django_redis_mutex.LockBackendUnavailable` about to be raised, or
-    swallowed by ``FAIL_OPEN``): an acquisition failed because Redis could not
-    be reached.
+    :class:`~django_redis_mutex.exceptions.LockBackendUnavailable` about to be
+    raised, or swallowed by ``FAIL_OPEN``): an acquisition failed because Redis
+    could not be reached.
 
 ``shared`` is True for a shared (read) lock, ``mutex(name, shared=True)``.
 

@@ -30,7 +30,7 @@ version = __version__
 
 extensions = [
     "sphinx.ext.autodoc",
-    "sphinx.ext.viewcode",
+    "viewcode_backlinks",  # sphinx.ext.viewcode, "[docs]" links to each object's anchor
     "benchmark_tables",
 ]
 exclude_patterns = ["_build", "_ext"]
@@ -38,4 +38,33 @@ autodoc_member_order = "bysource"
 autodoc_typehints = "description"
 autodoc_default_options = {"members": True, "show-inheritance": True}
 html_theme = "furo"
+html_static_path = ["_static"]
+html_css_files = ["screenshots.css"]
+
+# Every cross-reference must resolve: a broken one fails the build (-W).
+# The site is built offline (no intersphinx), so references to the standard
+# library and to Django, which type hints make, have nowhere to point: they
+# are listed here, each kind for the reason given. Everything of this app
+# must resolve.
+nitpicky = True
+nitpick_ignore = [
+    # The standard library, from type hints.
+    ("py:class", "collections.abc.Callable"),
+    ("py:class", "collections.abc.Iterable"),
+    ("py:class", "collections.abc.Iterator"),
+    ("py:class", "collections.abc.Sequence"),
+    ("py:class", "datetime.datetime"),
+    # Django, from type hints: the full paths, and the short names autodoc
+    # leaves in the hint of MutexMiddleware's get_response.
+    ("py:class", "django.db.models.base.Model"),
+    ("py:class", "django.db.models.manager.Manager"),
+    ("py:class", "django.db.models.query.QuerySet"),
+    ("py:class", "django.http.request.HttpRequest"),
+    ("py:class", "django.http.response.HttpResponse"),
+    ("py:class", "HttpRequest"),
+    ("py:class", "HttpResponse"),
+    # The type variable of the decorated function in mutex() and
+    # skip_if_locked(): a typing detail, not part of the API.
+    ("py:class", "django_redis_mutex.decorators.F"),
+]
 html_title = f"django-redis-mutex {release}"

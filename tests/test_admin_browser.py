@@ -11,7 +11,9 @@ in its own thread.
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import os
+import struct
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -22,7 +24,15 @@ import pytest
 from django.contrib.admin.models import DELETION, LogEntry
 from django.db import connection, transaction
 
-from django_redis_mutex import LockLost, LockNotOwned, Mutex, Semaphore, held_locks, mutex
+from django_redis_mutex import (
+    LockLost,
+    LockNotOwned,
+    Mutex,
+    Semaphore,
+    held_locks,
+    holds,
+    mutex,
+)
 
 from .helpers import ROOT, held_shared
 
@@ -40,8 +50,12 @@ CHROMIUM_ARGS = [
 LIST_URL = "/admin/django_redis_mutex/lock/"
 # The narrowest desktop the page is laid out for, with the admin sidebar open.
 NARROW_VIEWPORT = {"width": 1280, "height": 800}
-# README's picture; rewritten only when asked, so a test run leaves the tree clean.
-README_SCREENSHOT = ROOT / "docs" / "admin-locks.png"
+# The docs' picture of the page (docs/operations.rst) and what it shows, in
+# words a test can compare: rewritten only when asked, so a test run leaves the
+# tree clean.
+DOCS_SCREENSHOT = ROOT / "docs" / "admin-locks.png"
+DOCS_SCREENSHOT_CONTENTS = ROOT / "docs" / "admin-locks.txt"
+REGENERATE = "UPDATE_SCREENSHOTS=1 uv run pytest tests/test_admin_browser.py -k docs_screenshot"
 PASSWORD = "browser-test"
 
 
@@ -110,9 +124,7 @@ def test_superuser_releases_selected_lock_in_browser(
     expect = playwright_api.expect
     hold("exports:nightly", "nightly export")
     kept = hold("billing:invoices", "monthly invoicing")
-    screenshot = (
-        README_SCREENSHOT if os.environ.get("UPDATE_SCREENSHOTS") else tmp_path / "admin-locks.png"
-    )
+    screenshot = tmp_path / "admin-locks.png"
 
     with logged_in_page(playwright_api, live_server.url, admin_user) as page:
         stale = page.locator('tr[data-lock="exports:nightly"]')
@@ -349,3 +361,91 @@ def test_locks_and_semaphores_fit_1280_pixels(
             assert edge is not None, cell
             assert edge["x"] + edge["width"] <= right_edge, (cell, edge)
         assert page.evaluate("document.documentElement.scrollWidth") <= right_edge
+
+
+def page_contents(page: Any) -> list[str]:
+    """Describe the Locks page as a reader of its screenshot sees it: fields, columns, rows."""
+
+    def texts(selector: str) -> str:
+        found = page.locator(selector).evaluate_all("all => all.map(e => e.textContent.trim())")
+        return " | ".join(text or "[checkbox]" for text in found)
+
+    lines = [
+        f"viewport: {NARROW_VIEWPORT['width']} px wide, the admin sidebar open",
+        f"filters: {texts('#lock-filters label')}",
+        f"lock columns: {texts('#result_list thead th')}",
+    ]
+    for row in page.locator("tr.lock-row").all():
+        name = row.get_attribute("data-lock")
+        holders = page.locator(f'tr.lock-holder[data-lock="{name}"]').count()
+        mode = row.locator(".lock-mode")
+        kind = mode.inner_text() if mode.count() else f"exclusive, {holders} holder"
+        lines.append(f"lock row: {kind}")
+    lines.append(f"semaphore columns: {texts('#semaphore_list thead th')}")
+    for row in page.locator("tr.semaphore-row").all():
+        name = row.get_attribute("data-semaphore")
+        holders = page.locator(f'tr.semaphore-holder[data-semaphore="{name}"]').count()
+        permits = row.locator("td.field-permits").inner_text()
+        lines.append(f"semaphore row: {permits} permits held, {holders} holders")
+    return lines
+
+
+def png_line(path: Path) -> str:
+    """Describe a PNG file by its size in pixels and its SHA-256."""
+    data = path.read_bytes()
+    width, height = struct.unpack(">II", data[16:24])  # the IHDR chunk
+    return f"png: {width} x {height} px, sha256 {hashlib.sha256(data).hexdigest()}"
+
+
+def test_docs_screenshot_shows_the_page_as_it_is(
+    tmp_path, playwright_api, live_server, admin_user, hold, permit, monkeypatch
+):
+    """docs/admin-locks.png was taken of this page: the same fields, columns and kinds of row.
+
+    The page holds one lock of each kind and a semaphore with permits held,
+    each holder reporting a made-up host. docs/admin-locks.txt says what the
+    picture shows; the live page must say the same, and the picture must be
+    the one described there. With UPDATE_SCREENSHOTS=1 both are written anew.
+    """
+    expect = playwright_api.expect
+    # Owner records as a worker's would read, not this machine's host name.
+    monkeypatch.setattr(holds, "_hostname", lambda: "web1")
+    monkeypatch.setattr(threading.current_thread(), "name", "worker-1")
+    holds._owner_json.cache_clear()  # records made before carry the real names
+    hold("billing:close", "monthly invoicing")
+    for label in ("nightly export of every tenant's invoices", "hourly export"):
+        permit("exports:pool", 3, label)
+    update = bool(os.environ.get("UPDATE_SCREENSHOTS"))
+    screenshot = DOCS_SCREENSHOT if update else tmp_path / "admin-locks.png"
+
+    with (
+        held_shared("reports:q2", "quarterly report", "sales dashboard"),
+        logged_in_page(playwright_api, live_server.url, admin_user) as page,
+    ):
+        page.set_viewport_size({"width": NARROW_VIEWPORT["width"], "height": 1000})
+        expect(page.locator("tr.lock-row")).to_have_count(2)
+        expect(page.locator("tr.semaphore-holder")).to_have_count(2)
+        expect(page.locator("#nav-sidebar")).to_be_visible()
+        contents = page_contents(page)
+        page.locator("#content").screenshot(path=str(screenshot), animations="disabled")
+    holds._owner_json.cache_clear()
+
+    assert screenshot.stat().st_size > 10_000  # a rendered page, not a blank
+    if update:
+        DOCS_SCREENSHOT_CONTENTS.write_text(
+            "What docs/admin-locks.png shows: the admin Locks page as\n"
+            "tests/test_admin_browser.py renders it, which checks that the live page\n"
+            f"still shows the same. Regenerate both with\n{REGENERATE}\n\n"
+            + "\n".join([*contents, png_line(screenshot)])
+            + "\n"
+        )
+    assert DOCS_SCREENSHOT_CONTENTS.exists(), f"No docs/admin-locks.txt: {REGENERATE}"
+    described = DOCS_SCREENSHOT_CONTENTS.read_text().split("\n\n", 1)[1].splitlines()
+    assert described[:-1] == contents, (
+        "The admin Locks page no longer looks like docs/admin-locks.png "
+        f"(described in docs/admin-locks.txt). Regenerate both with\n{REGENERATE}"
+    )
+    assert described[-1] == png_line(DOCS_SCREENSHOT), (
+        "docs/admin-locks.png is not the picture docs/admin-locks.txt describes. "
+        f"Regenerate both with\n{REGENERATE}"
+    )
