@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import html
 import json
-import threading
 import unicodedata
 from collections.abc import Iterator
 from contextlib import contextmanager, suppress
@@ -39,6 +38,7 @@ from django_redis_mutex.keys import (
     validate_name,
 )
 from django_redis_mutex.signals import lock_acquired, lock_contended
+from tests.helpers import held_elsewhere
 
 LIST_URL = "/admin/django_redis_mutex/lock/"
 RELEASE_URL = LIST_URL + "release/"
@@ -109,26 +109,6 @@ FUZZ = hypothesis_settings(
 def unsafe_characters(text: str) -> list[str]:
     """Return the characters of ``text`` a terminal or browser would act on, not show."""
     return [char for char in text if unicodedata.category(char) in UNSAFE_CATEGORIES]
-
-
-@contextmanager
-def held_elsewhere(name: str, **options: Any) -> Iterator[Mutex]:
-    """Hold ``name`` from another thread, so the test's own thread is a different owner.
-
-    A request served by the test client runs in the test's thread; holding the
-    lock there would let the view re-enter it instead of contending.
-    """
-    lock = Mutex(name, watchdog=False, **options)
-    acquired: list[bool] = []
-    thread = threading.Thread(target=lambda: acquired.append(lock.acquire(blocking=False)))
-    thread.start()
-    thread.join()
-    assert acquired == [True], f"could not take {name!r} for the test"
-    try:
-        yield lock
-    finally:
-        with suppress(LockNotOwned):
-            lock.release()
 
 
 @contextmanager
@@ -225,7 +205,7 @@ def test_url_filled_name_is_taken_exactly_and_its_503_is_safe(client: Client, ke
     assert free.json() == {"held": [name]}
     assert acquired == [name]
 
-    with held_elsewhere(name, ttl=30), names_sent(lock_contended) as contended:
+    with held_elsewhere(name, ttl=30, watchdog=False), names_sent(lock_contended) as contended:
         busy = client.get(url, HTTP_ACCEPT=JSON_ACCEPT)
         page = client.get(url, HTTP_ACCEPT=BROWSER_ACCEPT)
     assert contended == [name, name]
@@ -244,7 +224,7 @@ def test_url_filled_name_is_taken_exactly_and_its_503_is_safe(client: Client, ke
 
 def test_503_page_shows_no_raw_control_or_bidi_characters(client: Client) -> None:
     key = "\x1b[2J\u202eevil\x00"
-    with held_elsewhere(f"doc:{key}"):
+    with held_elsewhere(f"doc:{key}", watchdog=False):
         page = client.get(f"/documents/{quote(key, safe='')}/", HTTP_ACCEPT=BROWSER_ACCEPT)
     assert page.status_code == 503
     assert unsafe_characters(page.content.decode().replace("\n", "")) == []

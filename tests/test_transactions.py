@@ -316,17 +316,20 @@ def test_a_locked_view_takes_its_lock_before_the_request_transaction_begins(
 # -- when the lock comes back --------------------------------------------------
 
 
-def _free_for_others(name: str) -> bool:
-    """Return True if another thread can take ``name`` at once (and gives it back)."""
+def _free_for_others(name: str, limit: int | None = None) -> bool:
+    """Return True if another thread can take ``name`` at once (and gives it back).
+
+    A lock, or with ``limit`` a permit of the semaphore ``name``.
+    """
     answer: list[bool] = []
 
     def other() -> None:
-        lock = Mutex(name, blocking=False)
-        if lock.acquire():
-            lock.release()
-            answer.append(True)
-        else:
-            answer.append(False)
+        handle: Any = (
+            Mutex(name, blocking=False) if limit is None else Semaphore(name, limit, blocking=False)
+        )
+        answer.append(handle.acquire())
+        if answer[-1]:
+            handle.release()
 
     thread = threading.Thread(target=other)
     thread.start()
@@ -410,21 +413,6 @@ def test_taking_the_lock_again_in_the_same_transaction_joins_the_kept_hold(
     assert _free_for_others(name)
 
 
-def _permit_free_for_others(name: str) -> bool:
-    answer: list[bool] = []
-
-    def other() -> None:
-        permit = Semaphore(name, 1, blocking=False)
-        answer.append(permit.acquire())
-        if answer[-1]:
-            permit.release()
-
-    thread = threading.Thread(target=other)
-    thread.start()
-    thread.join(STEP_TIMEOUT)
-    return answer == [True]
-
-
 def test_a_semaphore_permit_inside_a_transaction_is_kept_until_it_ends(
     alias: str, row: int, django_db_blocker: Any
 ) -> None:
@@ -433,20 +421,20 @@ def test_a_semaphore_permit_inside_a_transaction_is_kept_until_it_ends(
         with transaction.atomic(using=alias):
             with semaphore(name, 1):
                 Counter.objects.using(alias).filter(pk=row).update(value=5)
-            assert not _permit_free_for_others(name), "the permit went back before the COMMIT"
+            assert not _free_for_others(name, 1), "the permit went back before the COMMIT"
             [held] = [sem for sem in held_semaphores() if sem.name == name]
             assert held.holders[0].owner.transaction == (alias,)
             assert f"kept until its transaction on {alias} ends" in admin_locks_page()
-        assert _permit_free_for_others(name)
+        assert _free_for_others(name, 1)
         with pytest.raises(Boom), transaction.atomic(using=alias):
             with semaphore(name, 1):
                 pass
             raise Boom
-        assert _permit_free_for_others(name), "the permit stayed taken after the ROLLBACK"
+        assert _free_for_others(name, 1), "the permit stayed taken after the ROLLBACK"
         with transaction.atomic(using=alias):
             with semaphore(name, 1, release_at_block_end=True):
                 pass
-            assert _permit_free_for_others(name)
+            assert _free_for_others(name, 1)
 
 
 def test_a_shared_hold_inside_a_transaction_keeps_writers_out_until_it_ends(
