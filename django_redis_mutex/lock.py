@@ -569,8 +569,12 @@ class Mutex:
                 shared=self.shared,
             )
 
-    def _adopt(self, token: str, grant: Grant) -> Hold:
-        """Record a new acquisition as this handle's top level and start renewing it."""
+    def _adopt(self, token: str, grant: Grant, owner: object = None) -> Hold:
+        """Record a new acquisition as this handle's top level and start renewing it.
+
+        ``owner`` defaults to the code running now (an async acquisition
+        adopts in its child task, on behalf of the caller's task).
+        """
         quorum, drift = self._majority()
         hold = Hold(
             alias=self.using,
@@ -579,7 +583,7 @@ class Mutex:
             token=token,
             fence=grant.fence,
             ttl=self.lease,
-            owner=current_owner(),
+            owner=current_owner() if owner is None else owner,
             targets=self._targets(),
             quorum=quorum,
             drift=drift,
@@ -739,11 +743,11 @@ class Mutex:
         token, started, deadline = self._start(timeout)
         while True:
             with _acquisition_errors(self.name, self.using, started):
-                grant = await self._acquire_in_child(token, blocking, deadline, started)
-            if grant is None:
+                adopted = await self._acquire_in_child(token, blocking, deadline, started)
+            if adopted is None:
                 self._note_contention(started)
                 return None
-            hold = self._adopt(token, grant)
+            hold = adopted
             # No await between this check and the body but a confirming one.
             if await self._astill_granted(hold):
                 break
@@ -764,17 +768,35 @@ class Mutex:
 
     async def _acquire_in_child(
         self, token: str, blocking: bool, deadline: float | None, started: float
-    ) -> Grant | None:
-        """Run the acquisition with :func:`~.driver.run_in_child`: a cancel is never lost."""
+    ) -> Hold | None:
+        """Run the acquisition with :func:`~.driver.run_in_child`: a cancel is never lost.
+
+        The hold is adopted (and watched) in the child, as Redis's answer is
+        read: the watchdog renews it from that moment, even if the caller's
+        loop stalls before the caller runs again.
+        """
+        owner = current_owner()
+        adopted: list[Hold] = []
+
+        def adopting() -> Steps[Grant | None]:
+            grant = yield from self._acquisition_steps(token, blocking, deadline, started)
+            if grant is not None:
+                adopted.append(self._adopt(token, grant, owner))
+            return grant
+
+        async def abandon() -> None:
+            if adopted:
+                self._forget(adopted[0])
+            await self._aabandon(token)
+
         try:
-            return await run_in_child(
-                self._acquisition_steps(token, blocking, deadline, started),
-                lambda: self._aabandon(token),
-                (redis_errors.TimeoutError, LockBackendUnavailable),
+            await run_in_child(
+                adopting(), abandon, (redis_errors.TimeoutError, LockBackendUnavailable)
             )
         except (redis_errors.TimeoutError, LockBackendUnavailable):
             self._abandon_later(token)  # as in _acquire
             raise
+        return adopted[0] if adopted else None
 
     async def _aabandon(self, token: str) -> None:
         try:
