@@ -726,7 +726,18 @@ class Mutex:
         try:
             run_steps(self._abandon_steps(token))
         except Exception as exc:  # the interrupt that brought us here is what propagates
-            logger.warning("Could not leave the wait queue of lock %r: %s", self.name, exc)
+            self._abandon_failed(token, exc)
+
+    def _abandon_failed(self, token: str, exc: Exception) -> None:
+        # Leaving the line did not land (a cut connection, a Redis asleep): a
+        # script in flight, or the next release, may still hand the lock to
+        # this token, which nobody has. Retry until Redis answers.
+        logger.warning(
+            "Could not leave the wait queue of lock %r (retrying in the background): %s",
+            self.name,
+            exc,
+        )
+        self._abandon_later(token)
 
     async def aacquire(self, blocking: bool = DEFAULT, timeout: float | None = DEFAULT) -> bool:
         """Async twin of :meth:`acquire`; never blocks the event loop."""
@@ -802,7 +813,7 @@ class Mutex:
         try:
             await AsyncDriver().run(self._abandon_steps(token))
         except Exception as exc:
-            logger.warning("Could not leave the wait queue of lock %r: %s", self.name, exc)
+            self._abandon_failed(token, exc)
 
     # -- release -------------------------------------------------------------
 

@@ -472,7 +472,16 @@ class Semaphore:
         try:
             run_steps(self._cancel_steps(token))
         except Exception as exc:  # the interrupt that brought us here is what propagates
-            logger.warning("Could not leave the line of semaphore %r: %s", self.name, exc)
+            self._abandon_failed(token, exc)
+
+    def _abandon_failed(self, token: str, exc: Exception) -> None:
+        # As a lock's: a permit may still be granted to this token nobody has.
+        logger.warning(
+            "Could not leave the line of semaphore %r (retrying in the background): %s",
+            self.name,
+            exc,
+        )
+        self._abandon_later(token)
 
     async def aacquire(self, blocking: bool = DEFAULT, timeout: float | None = DEFAULT) -> bool:
         """Async twin of :meth:`acquire`; never blocks the event loop."""
@@ -503,7 +512,7 @@ class Semaphore:
         try:
             await AsyncDriver().run(self._cancel_steps(token))
         except Exception as exc:
-            logger.warning("Could not leave the line of semaphore %r: %s", self.name, exc)
+            self._abandon_failed(token, exc)
 
     # -- release --------------------------------------------------------------
 

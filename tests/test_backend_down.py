@@ -511,3 +511,70 @@ def test_a_give_back_after_the_commit_that_redis_never_answered_is_retried(kind:
         assert time.monotonic() - paused < 3.0
         assert _acquired_by_another(kind) < 2.0
         pauser.close()
+
+
+@pytest.mark.parametrize("kind", ["lock", "semaphore"])
+def test_an_acquisition_cancelled_while_redis_sleeps_holds_nothing_once_it_wakes(
+    kind: str,
+) -> None:
+    # Cancelled (twice) with its ACQUIRE in flight to a sleeping Redis: the
+    # in-flight call times out, and so does the give-back sent after it. Redis
+    # then wakes and grants the lock to the token nobody has; only a give-back
+    # retried in the background frees it before its 8 s lease ends.
+    with dedicated("--enable-debug-command", "yes", options=cache_options(socket_timeout=0.5)) as (
+        server
+    ):
+
+        async def main() -> None:
+            warm = _handle(kind)
+            assert await warm.aacquire()
+            await warm.arelease()
+            with busy(server, 2.0):
+                task = asyncio.ensure_future(_handle(kind).aacquire())
+                await asyncio.sleep(0.1)  # its script is on its way to the sleeping server
+                task.cancel()
+                for _ in range(3):
+                    await asyncio.sleep(0)
+                task.cancel()
+                with pytest.raises(asyncio.CancelledError):
+                    await task
+
+        asyncio.run(main())
+        assert _acquired_by_another(kind) < 2.0
+
+
+@pytest.mark.parametrize("kind", ["lock", "semaphore"])
+def test_a_waiter_whose_connection_was_killed_is_not_handed_the_lock_for_its_lease(
+    kind: str,
+) -> None:
+    # The waiter's blocking wait fails (its connection killed) while writes
+    # are paused past the socket timeout, so its give-back fails too. Unless
+    # that give-back is retried, the next release hands the lock to a waiter
+    # that has left, for its 4 s hand-over lease.
+    with dedicated(options=cache_options(socket_timeout=0.5)) as server:
+        killer = redis.Redis(port=server.port)
+        holder = _handle(kind)
+        assert holder.acquire()
+        failed: list[BaseException] = []
+
+        def wait() -> None:
+            try:
+                _handle(kind).acquire(timeout=10)
+            except LockBackendUnavailable as exc:
+                failed.append(exc)
+
+        waiter = threading.Thread(target=wait)
+        waiter.start()
+        wait_until(
+            lambda: any(c.get("cmd") == "blpop" for c in killer.client_list()),
+            10,
+            "the waiter blocked on its wake-up list",
+        )
+        killer.client_pause(1500, all=False)
+        killer.client_kill_filter(_type="normal", skipme=True)
+        waiter.join(10)
+        assert failed, "the waiter should have seen its connection go"
+        killer.set("writes-flow", 1)  # parked until the pause ends
+        holder.release()
+        assert _acquired_by_another(kind) < 2.0
+        killer.close()
