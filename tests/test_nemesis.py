@@ -837,5 +837,22 @@ def test_locks_keep_their_promises_under_a_random_fault_schedule(
     faults = report.faults_by_kind()
     assert faults["handoff-stall"] >= 1, context
     assert faults["nested-reset"] >= 1, context
+    # Redis slept past the socket timeout, and a waiter's loop stalled between
+    # its hand-over lease and its TTL.
+    assert faults["sleep-redis"] >= 1, context
+    variants = {r.note for r in report.info.faults if r.kind == "handoff-stall"}
+    assert "mid" in variants, context
+    # Tasks were cancelled while acquiring, inside and releasing, some twice.
+    cancelled = stats.get("cancelled", {})
+    assert all(cancelled.get(where, 0) > 0 for where in ("acquiring", "inside", "releasing")), (
+        context
+    )
+    assert stats.get("repeated cancels", 0) > 0, context
+    # Permits were taken, beside one another, and checked against the limit.
+    assert stats.get("permit bodies", 0) >= 20, context
+    assert stats.get("permit overlaps", 0) > 0, context
+    # The orphan check looked while the workers were idle and after they exited.
+    assert stats.get("orphan check") == 1, context
+    assert set(report.info.orphan_phases) == {"idle", "exited"}, context
     if topology == "quorum":
         assert faults["side-hold"] >= 1, context
