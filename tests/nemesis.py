@@ -9,9 +9,11 @@ worker processes (each running threads *and* asyncio tasks) contend for a
 handful of locks through every public way of taking one (some bodies of a
 ``with``, ``async with``, ``acquire()``, decorated call or nested block take
 their lock shared, and nested levels join a shared or an exclusive hold
-shared, on every lock but a quorum's, which cannot be shared), every critical
-section ("body") is journalled with whether it was shared, and :func:`check`
-then asks of the whole history what the lock promises.
+shared, on every lock but a quorum's, which cannot be shared), some bodies
+take a permit of a semaphore (limit SEMAPHORE_LIMIT) instead, some tasks are
+cancelled at a random point of theirs, every critical section ("body") is
+journalled with whether it was shared, and :func:`check` then asks of the
+whole history what the lock promises.
 
 A run (:class:`Nemesis`) starts its own redis-server(s) on free ports: one for
 the ``single`` topology; for ``quorum`` three independent masters (``m1``..
@@ -24,9 +26,12 @@ the seed and topology, so the same seed gives the same schedule) is applied on
 time: SIGSTOP/SIGCONT and SIGKILL (then a restart in the same slot) of workers,
 either a given slot or whichever process holds the hottest lock; event-loop
 stalls inside a worker (a loop callback that calls ``time.sleep``); SIGSTOP/
-SIGCONT and restart of a redis-server (it comes back empty); proxy latency,
-stalls and cuts; operator resets (``django_redis_mutex.reset``) from this
-process. Some faults are scenarios, placed in every 30 s of a run with their
+SIGCONT and restart of a redis-server (it comes back empty); ``DEBUG SLEEP``
+of a redis-server for longer than the workers' socket timeout (unlike a
+SIGSTOP, Redis has read what was sent before and runs it when it wakes, so
+an acquisition or a release whose caller timed out still happens, later);
+proxy latency, stalls and cuts; operator resets (``django_redis_mutex.reset``)
+from this process. Some faults are scenarios, placed in every 30 s of a run with their
 slot and their Redis to themselves:
 
 * hand-over: a thread hands an acquired ``Mutex`` to another thread, which
@@ -35,11 +40,14 @@ slot and their Redis to themselves:
   workers do this by themselves, among their other bodies);
 * hand-off stall: a waiter's event loop stalls right as the lock is handed
   to it, past the hand-off lease, while another thread takes the lock: the
-  waiter must not run its body on the lapsed hand-off. Two variants: a 0.5 s
+  waiter must not run its body on the lapsed hand-off. Three variants: a 0.5 s
   lease and a 1.5 s stall (within the waiter's read timeout, so the hand-off
-  reply is there when the loop runs again), and a stall longer than
+  reply is there when the loop runs again), a stall longer than
   HANDOFF_LEASE on an alias whose socket timeout is longer than the stall (a
-  stall past the read timeout only makes the waiter's read fail);
+  stall past the read timeout only makes the waiter's read fail), and a
+  stall longer than HANDOFF_LEASE but shorter than the lock's lease, begun
+  as the release hands the lock over (often just after), so it may fall
+  between the waiter's wake-up and its entry;
 * nested reset: the operator resets the hot lock while a worker is inside a
   nested ``with`` level of it: the outer block must raise ``LockLost``;
 * side hold (quorum): a master is SIGSTOPped while one process holds both a
@@ -88,6 +96,18 @@ killed after its COMMIT but before its journal line is counted, not blamed.
 Test-only: ``NEMESIS_RELEASE_AT_BLOCK_END=1`` makes these bodies give their
 lock back at the end of its block, before the COMMIT
 (``release_at_block_end=True``), which must show up as lost updates.
+
+Cancellations. A task (``async-cancel``) runs a child task that takes a lock
+or a permit (``async with``, or ``aacquire()``/``arelease()`` in a
+``finally``) and cancels it while it waits in line, a loop step or two after
+its call (an acquisition script in flight), inside its body, or as it leaves
+(its release in flight); half the time a second cancel follows a few loop
+steps later, as AnyIO cancel scopes deliver. A cancelled body's outcome is
+"cancelled": its exit raised CancelledError, not a confirmation, so it
+counts as unconfirmed. A cancel before the body journals an acquisition
+refused as "cancelled". Some of these take the ``linger`` lock, or a
+permit, with a lease of LINGER_TTL, so one left held for nobody is still
+there when the orphan check looks.
 
 Killed holders. A killed process cannot write; a body it had entered but not
 left is taken to end when the kill was confirmed (the process reaped), or when
@@ -138,9 +158,21 @@ What :func:`check` demands, per lock name:
   unconfirmed or killed, and a fault that explains its lost lease before
   the newer one entered. A committed increment its journal does not match,
   or a journalled COMMIT the database does not have, is a violation too.
+* At most ``limit`` permit bodies of a semaphore overlap. When one enters
+  with ``limit`` others inside, enough of them to make room must be excused
+  as a stale lock holder is (told, unconfirmed or killed, and a fault that
+  explains a lost lease between its acquire call and that entry). A
+  ``lock_lost`` signal of a permit names no grant, so it tells no body.
 * After the run no key on any server is without an expiry (``PTTL == -1``),
-  checked every two seconds during the run and at the end, and every lock is
-  gone within a lease or two of the last worker's exit.
+  checked every two seconds during the run and at the end.
+* Nothing outlives its owner (the orphan rule). Once every worker has run
+  its last body and waits, alive, to be let go (its watchdog and background
+  give-backs still running), and again once every worker has exited, the
+  nemesis polls the lock hashes and semaphore holder sets of the run's
+  namespace until nothing is held. A lock or permit still held more than
+  ORPHAN_GRACE (1 s) after the phase began is an orphan, named with its
+  owner record, unless its owner was SIGKILLed and a wait lease plus the
+  longest lease of its name, counted from the kill, explain it.
 
 What it cannot tell: a caller paused inside its acquire call (a quorum
 acquisition judged after its validity ran out, say) looks the same as one
