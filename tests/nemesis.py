@@ -172,7 +172,14 @@ What :func:`check` demands, per lock name:
   namespace until nothing is held. A lock or permit still held more than
   ORPHAN_GRACE (1 s) after the phase began is an orphan, named with its
   owner record, unless its owner was SIGKILLed and a wait lease plus the
-  longest lease of its name, counted from the kill, explain it.
+  longest lease of its name, counted from the kill, explain it. During the
+  run the same holds for each cancelled child task (its name, unique, is in
+  the owner record of whatever it takes): the nemesis samples what is held
+  every 0.3 s, and a grant still held in the name of a child that has ended
+  is an orphan once CHILD_GRACE has passed since the child ended and since
+  every fault that could keep a give-back from Redis (its server paused,
+  asleep or restarting, its proxy stalled, cut or slowed, its process
+  paused or its loop stalled) was over.
 
 What it cannot tell: a caller paused inside its acquire call (a quorum
 acquisition judged after its validity ran out, say) looks the same as one
@@ -198,6 +205,7 @@ import json
 import logging
 import os
 import random
+import re
 import shutil
 import signal
 import subprocess
@@ -746,6 +754,16 @@ class HeldSample:
     owner: str
     time_left: float
     lease: float
+    #: The owner record's thread or task name.
+    thread: str | None = None
+
+
+#: A cancelled child task's name ends so (see _Worker.async_cancel).
+CHILD_SUFFIX = re.compile(r"-c[0-9]+$")
+#: How long after an owner is gone (and every fault that could keep its
+#: give-back from Redis is over) what it held may still be held: the grace,
+#: plus the longest wait between two tries of a background give-back.
+CHILD_GRACE = 2 * NS
 
 
 #: After every worker is idle or gone, nothing may stay held longer than this (ns),
@@ -800,6 +818,8 @@ class RunInfo:
     #: phases ("idle", "exited") began (empty: not checked, as in hand-made histories).
     held_after: list[HeldSample] = field(default_factory=list)
     orphan_phases: dict[str, int] = field(default_factory=dict)
+    #: What was seen held during the run in the name of a cancelled child task.
+    held_during: list[HeldSample] = field(default_factory=list)
 
 
 # == the checker =================================================================================
@@ -1010,6 +1030,7 @@ class _Checker:
         self.threats: list[Threat] = []
         self.excused: list[str] = []
         self.cancels: list[dict[str, Any]] = []
+        self.children: dict[tuple[int, str], dict[str, Any]] = {}
 
     # -- reading --------------------------------------------------------------------------
 
@@ -1058,6 +1079,8 @@ class _Checker:
                 self.detail["refused"][event["why"]] += 1
             elif kind == "cancel":
                 self.cancels.append(event)
+            elif kind == "child-end":
+                self.children[(pid, event["child"])] = event
             elif kind == "hiccup":
                 self.gaps[pid].append((event["t0"], event["t1"], f"hiccup of pid {pid}"))
             elif kind == "stall":
@@ -1797,8 +1820,93 @@ class _Checker:
                 continue
             self.violations.append(self.orphan(sample, start))
 
-    def orphan(self, sample: HeldSample, start: int) -> Violation:
+    def check_children(self) -> None:
+        """Nothing may stay held in the name of a cancelled child task that has ended.
+
+        A child's grant is given back when it ends, or from the background
+        once Redis answers: what the nemesis still sees held in its name
+        CHILD_GRACE after it ended, and after every fault that could keep a
+        give-back from Redis (its server paused, asleep or restarting, its
+        proxy stalled, cut or slowed, its process paused or its loop stalled)
+        is over, outlived its owner. A SIGKILLed child's process explains its
+        grants up to a wait lease and a lease after the kill.
+        """
+        if not self.children:
+            return
+        latest: dict[tuple[int, str, str, str], HeldSample] = {}
+        for sample in self.info.held_during:
+            if sample.pid is None or sample.thread is None:
+                continue
+            key = (sample.pid, sample.thread, sample.space, sample.name)
+            if key not in latest or sample.t > latest[key].t:
+                latest[key] = sample
+        self.stats["children ended"] = len(self.children)
+        self.stats["child grants sampled"] = len(self.info.held_during)
+        for key in sorted(latest):
+            sample = latest[key]
+            child = self.children.get((key[0], key[1]))
+            if child is None or child["t"] >= sample.t:
+                continue  # still running when seen
+            self.stats["held by an ended child, seen"] += 1
+            deadline = self.child_deadline(sample, child)
+            if sample.t <= deadline:
+                continue
+            self.violations.append(self.orphan(sample, child["t"], child=child))
+
+    def child_deadline(self, sample: HeldSample, child: dict[str, Any]) -> int:
+        """Until when (ns) ``sample`` may be held after its child task ended."""
+        lease = int(sample.lease * NS)
+        servers = [
+            server for server in SERVERS[self.info.topology] if sample.space in SPACES_ON[server]
+        ]
+        slot = self.slot_of.get(sample.pid or -1)
+        blocking: list[tuple[int, int]] = []
+        for record in self.info.faults:
+            on_server = record.kind in ("pause-redis", "sleep-redis", "restart-redis")
+            on_path = record.kind in ("stall-proxy", "cut-proxy", "latency") and (
+                record.slot in (None, slot)
+            )
+            if record.server in servers and (on_server or on_path):
+                blocking.append((record.t0, record.end))
+        gaps = self.merged_async.get(sample.pid or -1, [])
+        blocking += [(a, b) for a, b, _ in gaps]
+        blocking += [(a, b) for a, b in self.info.hiccups]
+        deadline = child["t"] + CHILD_GRACE
+        for start, stop in sorted(blocking):
+            # A fault that began within a lease before the child ended may have
+            # kept its give-back (or the script it gives back) from Redis.
+            if start <= deadline and stop >= child["t"] - lease:
+                deadline = max(deadline, stop + CHILD_GRACE)
+        kill = self.kills.get(sample.pid) if sample.pid is not None else None
+        if kill is not None:
+            deadline = max(deadline, kill.t0 + int((_wait_lease() + sample.lease) * NS) + MARGIN)
+        return deadline
+
+    def orphan(
+        self, sample: HeldSample, start: int, child: dict[str, Any] | None = None
+    ) -> Violation:
         """Describe a lock or permit held past its deadline, with its owner's last body."""
+        if child is not None:
+            after = (
+                f"its owner, a child task cancelled {child.get('cancels')} time(s) "
+                f"({child.get('phase')}), ended at +{(child['t'] - self.t0) / NS:.3f}s"
+            )
+            what = f"{sample.what} {sample.space}:{sample.name} ({sample.grant})"
+            body = self.bodies.get(child.get("b") or "")
+            text = (
+                f"{what} still held at +{(sample.t - self.t0) / NS:.3f}s, "
+                f"{(sample.t - start) / NS:.3f}s after {after}, with nothing to keep a "
+                f"give-back from Redis since; {sample.time_left:.3f}s left on its lease; "
+                f"owner record: {sample.owner}; "
+                + (f"its body: {body.describe(self.t0)}" if body else "it never entered a body")
+            )
+            return Violation(
+                f"orphan: {sample.what} outlived its owner",
+                text,
+                start,
+                sample.t,
+                (sample.pid,) if sample.pid is not None else (),
+            )
         after = "had run its last body" if sample.phase == "idle" else "had exited"
         kill = self.kills.get(sample.pid) if sample.pid is not None else None
         fate = (
@@ -1855,6 +1963,7 @@ class _Checker:
         self.count_cancels()
         self.check_data()
         self.check_orphans()
+        self.check_children()
         self.check_processes()
         stats: dict[str, Any] = dict(self.stats)
         for key, counter in self.detail.items():
@@ -1974,7 +2083,10 @@ class Report:
                 ", ".join(f"{k} {v}" for k, v in sorted(stats.get("cancelled", {}).items()))
                 or "none"
             )
-            + f"; repeated {stats.get('repeated cancels', 0)}",
+            + f"; repeated {stats.get('repeated cancels', 0)}; "
+            f"{stats.get('children ended', 0)} cancelled children ended, "
+            f"{stats.get('child grants sampled', 0)} samples of their grants, "
+            f"{stats.get('held by an ended child, seen', 0)} of their grants seen held after",
             f"  keys: {runner.get('keys scanned', 0)} scanned for an expiry in "
             f"{runner.get('scans', 0)} scans",
             f"  orphans: {'checked' if stats.get('orphan check') else 'not checked'}, "
@@ -2165,6 +2277,7 @@ class Nemesis:
         self._hiccups: list[tuple[int, int]] = []
         self._sleepers: list[threading.Thread] = []
         self._held_after: list[HeldSample] = []
+        self._held_during: list[HeldSample] = []
         self._orphan_phases: dict[str, int] = {}
         self._problems: list[Violation] = []
         self._ttl_lock = threading.Lock()
@@ -2344,6 +2457,22 @@ class Nemesis:
     def _scanner(self) -> None:
         while not self._stopping.wait(2.0):
             self._scan_expiries()
+
+    def _sample_children(self) -> None:
+        """Note, during the run, what is held in the name of a cancelled child task.
+
+        Such a child has a name of its own (CHILD_SUFFIX) that ends up in the
+        owner record of whatever it took; the checker compares these samples
+        with when each child ended (see _Checker.check_children).
+        """
+        while not self._stopping.wait(0.3):
+            if now_ns() > self.end:
+                return
+            self._held_during += [
+                sample
+                for sample in self._held_now("run", quiet=True)
+                if sample.thread and CHILD_SUFFIX.search(sample.thread)
+            ]
 
     # -- the schedule -------------------------------------------------------------------------
 
@@ -2712,7 +2841,7 @@ class Nemesis:
                     return  # _finish_workers reports it stuck
                 time.sleep(0.02)
 
-    def _held_now(self, phase: str) -> list[HeldSample]:
+    def _held_now(self, phase: str, quiet: bool = False) -> list[HeldSample]:
         """Return every lock and permit held now in the run's namespace, on every server."""
         from django_redis_mutex import held_locks, held_semaphores
 
@@ -2725,9 +2854,10 @@ class Nemesis:
                 locks = held_locks(alias)
                 sems = held_semaphores(alias) if space != "quorum" else []
             except Exception as exc:
-                self._problems.append(
-                    Violation("harness", f"the orphan check could not read {alias}: {exc!r}")
-                )
+                if not quiet:  # during the run, faults make a server unreadable at times
+                    self._problems.append(
+                        Violation("harness", f"the orphan check could not read {alias}: {exc!r}")
+                    )
                 continue
             for lock in locks:
                 holders = lock.holders or (lock,)
@@ -2744,6 +2874,7 @@ class Nemesis:
                             str(holder.owner),
                             holder.time_left,
                             longest_lease(self.topology, self.tuning, lock.name),
+                            holder.owner.thread,
                         )
                     )
             for sem in sems:
@@ -2760,6 +2891,7 @@ class Nemesis:
                             str(permit.owner),
                             permit.time_left,
                             longest_lease(self.topology, self.tuning, sem.name),
+                            permit.owner.thread,
                         )
                     )
         return samples
@@ -2806,6 +2938,7 @@ class Nemesis:
                 (self.workdir / "go.tmp").rename(self.workdir / "go")
                 self.log(f"nemesis: seed {self.seed}, topology {self.topology}, {self.seconds:g}s")
                 self._thread(self._scanner, "nemesis-expiry-scan")
+                self._thread(self._sample_children, "nemesis-child-samples")
                 for fault in plan:
                     self._at(self.t0 + int(fault.at * NS), functools.partial(self._apply, fault))
                 while self._queue and self._queue[0][0] <= self.end:
@@ -2836,6 +2969,7 @@ class Nemesis:
                 data=read_state(self.database),
                 release_at_block_end=self.release_at_block_end,
                 held_after=self._held_after,
+                held_during=self._held_during,
                 orphan_phases=self._orphan_phases,
             )
             events = load_journals(self.history)
@@ -2843,6 +2977,9 @@ class Nemesis:
             with open(self.workdir / "faults.jsonl", "w", encoding="utf-8") as log:
                 for record in self.records:
                     log.write(json.dumps(record.__dict__) + "\n")
+            with open(self.workdir / "held.jsonl", "w", encoding="utf-8") as log:
+                for sample in self._held_during + self._held_after:
+                    log.write(json.dumps(sample.__dict__) + "\n")
             (self.workdir / "plan.txt").write_text(
                 "".join(fault.describe() + "\n" for fault in plan), encoding="utf-8"
             )
@@ -3662,10 +3799,12 @@ class _Worker:
         shared = False
         handle: Any
         if target < 0.3:
-            spec, ttl, permit = self.semaphore, self.permit_ttl(rng), True
+            # Half with a long lease: a permit left to nobody stays long enough to be seen.
+            ttl = LINGER_TTL if rng.random() < 0.5 else self.ttl
+            spec, permit = self.semaphore, True
             handle = Semaphore(spec.name, SEMAPHORE_LIMIT, using=spec.usings[0], ttl=ttl)
         else:
-            spec, using = (self.linger, self.linger.usings[0]) if target < 0.5 else self.pick(rng)
+            spec, using = (self.linger, self.linger.usings[0]) if target < 0.55 else self.pick(rng)
             ttl, permit = (LINGER_TTL if spec is self.linger else self.ttl), False
             shared = self.share(rng, spec)
             if way == "with":
@@ -3676,7 +3815,9 @@ class _Worker:
         rec = _Rec()
         child = asyncio.create_task(
             self.cancel_child(spec, handle, way, hold, ttl, shared, permit, rec, inside, leaving),
-            name=f"{_owner()}-child",
+            # A name of its own, stored in the owner record of whatever it takes, so
+            # the nemesis can tell a grant of a child that has ended (CHILD_SUFFIX).
+            name=f"{_owner()}-c{next(self._ids)}",
         )
         if phase == "waiting":
             await asyncio.wait({child}, timeout=rng.uniform(0.02, 1.2))
@@ -3696,14 +3837,16 @@ class _Worker:
         if not child.done():
             child.cancel()
             cancels = 1
-            self.journal.write("cancel", b=rec.body, phase=phase, n=1)
+            self.journal.write("cancel", b=rec.body, phase=phase, n=1, child=child.get_name())
             if again:
                 for _ in range(steps):
                     await asyncio.sleep(0)
                 if not child.done():
                     child.cancel()
                     cancels = 2
-                    self.journal.write("cancel", b=rec.body, phase=phase, n=2)
+                    self.journal.write(
+                        "cancel", b=rec.body, phase=phase, n=2, child=child.get_name()
+                    )
         done, _ = await asyncio.wait({child}, timeout=self.timeout + 3 * ttl + 15)
         if not done:
             self.journal.write(
@@ -3712,6 +3855,17 @@ class _Worker:
                 error=f"a cancelled child task ({phase}, {cancels} cancel(s)) never ended",
             )
             return
+        # From now on nothing may stay held in the child's name (the orphan rule).
+        self.journal.write(
+            "child-end",
+            child=child.get_name(),
+            b=rec.body,
+            phase=phase,
+            cancels=cancels,
+            space=spec.space,
+            name=spec.name,
+            ttl=ttl,
+        )
         if not child.cancelled():
             child.result()  # its own errors were journalled by attempt(); a bug would be here
 

@@ -51,6 +51,7 @@ class Journal:
         self.events: list[dict[str, Any]] = []
         self.faults: list[FaultRecord] = []
         self.held_after: list[HeldSample] = []
+        self.held_during: list[HeldSample] = []
         self.orphan_phases: dict[str, int] = {}
         self._bodies = 0
 
@@ -168,6 +169,17 @@ class Journal:
             )
         )  # fmt: skip
 
+    def child(self, pid: int, child: str, ended: float, *seen: float) -> None:
+        """A cancelled child task ended at ``ended``; its permit was seen held at ``seen``."""
+        self.event("child-end", pid, ended, child=child, b=None, phase="waiting", cancels=2)
+        for when in seen:
+            self.held_during.append(
+                HeldSample(
+                    "run", at(when), "permit", "single", "sem", "token t1", pid,
+                    f"host (pid {pid}, thread {child})", 1.0, 6.0, child,
+                )
+            )  # fmt: skip
+
     def check(
         self, *, done: tuple[int, ...] | None = None, data: DataState | None = None
     ) -> Verdict:
@@ -186,6 +198,7 @@ class Journal:
             data=data,
             held_after=self.held_after,
             orphan_phases=self.orphan_phases,
+            held_during=self.held_during,
         )
         return check(events, info)
 
@@ -779,6 +792,34 @@ def test_a_killed_owners_lock_may_outlive_it_by_a_wait_lease_and_its_lease_not_m
     assert kinds(verdict) == ["orphan: lock outlived its owner"]
     assert "single:a" in verdict.violations[0].text
     assert "killed at +25.000s" in verdict.violations[0].text
+
+
+def test_a_permit_held_in_the_name_of_a_cancelled_child_that_ended_is_an_orphan() -> None:
+    journal = Journal()
+    journal.event("start", 1, -1000, slot=1)
+    journal.child(1, "task0-c7", 1000, 500, 2500, 3100)  # the 500 ms sample: still running
+
+    verdict = journal.check()
+
+    assert kinds(verdict) == ["orphan: permit outlived its owner"]
+    text = verdict.violations[0].text
+    assert "permit single:sem (token t1) still held at +3.100s, 2.100s after its owner" in text
+    assert "cancelled 2 time(s) (waiting)" in text
+    assert "owner record: host (pid 1, thread task0-c7)" in text
+
+
+def test_a_child_grant_may_outlast_a_redis_sleep_that_kept_its_give_back_away() -> None:
+    journal = Journal()
+    journal.event("start", 1, -1000, slot=1)
+    journal.fault("sleep-redis", 500, 2800, server="r0", seconds=2.3)
+    journal.child(1, "task0-c7", 1000, 4700)  # within 2 s of the sleep's end
+    journal.child(1, "task0-c9", 1200, 5000)  # past it
+
+    verdict = journal.check()
+
+    assert kinds(verdict) == ["orphan: permit outlived its owner"]
+    assert "task0-c9" in verdict.violations[0].text
+    assert verdict.stats["held by an ended child, seen"] == 2
 
 
 # -- the plan -------------------------------------------------------------------------------------
