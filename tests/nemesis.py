@@ -610,9 +610,14 @@ def make_plan(seed: int, topology: str, seconds: float, tuning: Tuning) -> list[
         return False
 
     def sleep(at: float) -> bool:
-        server, length = rng.choice(servers), sleep_length()
+        # On the Redis of the linger lock and the semaphore, long enough that a
+        # give-back sent a socket timeout into it times out too; a worker of
+        # ``slot`` takes and cancels both as it falls asleep.
+        server = hosts(linger_spec(topology).space)[0]
+        length = rng.uniform(2.3, 3.0) * tuning.socket_timeout
         if claim(at, at + length + 1.0, f"server:{server}", avoid=(f"hush:{server}",)):
-            faults.append(Fault(at, "sleep-redis", server=server, seconds=length))
+            slot = rng.choice(slots)
+            faults.append(Fault(at, "sleep-redis", slot=slot, server=server, seconds=length))
             return True
         return False
 
@@ -2654,6 +2659,13 @@ class Nemesis:
             self._skip(fault, "server down")
             return
         record = self._record("sleep-redis", server=fault.server, seconds=fault.seconds)
+        target = self._target(fault) if fault.slot is not None else None
+        hosts_linger = linger_spec(self.topology).space in SPACES_ON[fault.server]
+        if target is not None and hosts_linger and fault.seconds > 2 * self.tuning.socket_timeout:
+            # Its acquisitions land in the sleep, and are cancelled there.
+            self._command(target, {"cmd": "cancel-in-sleep", "delay": 0.1, "fault": record.id})
+            record.slot, record.pid = target.index, target.pid
+            record.note = "with cancelled acquisitions"
 
         def sleep() -> None:
             client = redis.Redis(port=server.port, socket_timeout=fault.seconds + 10)
@@ -2667,7 +2679,8 @@ class Nemesis:
                 client.close()
 
         thread = threading.Thread(target=sleep, name="nemesis-sleep-redis", daemon=True)
-        thread.start()
+        # The command runs on the worker's loop first; then Redis falls asleep.
+        self._at(now_ns() + 50_000_000, thread.start)
         self._sleepers.append(thread)
 
     def _restart_redis(self, fault: Fault) -> None:
@@ -3158,6 +3171,8 @@ class _Worker:
         self._control_offset = 0
         self._control_lock = threading.Lock()
         self._scenario_threads: list[threading.Thread] = []
+        # Tasks started by commands, kept so that they are not collected while running.
+        self._background: set[asyncio.Future[None]] = set()
         signals.lock_acquired.connect(self._on_acquired, weak=False)
         signals.lock_lost.connect(self._on_lost, weak=False)
         signals.lock_released.connect(self._on_released, weak=False)
@@ -3811,6 +3826,39 @@ class _Worker:
                 handle = mutex(spec.name, using=using, shared=shared, ttl=ttl)
             else:
                 handle = Mutex(spec.name, using=using, shared=shared, ttl=ttl)
+        await self.cancel_one(
+            spec,
+            handle,
+            way,
+            hold,
+            ttl,
+            shared,
+            permit,
+            phase,
+            again,
+            steps,
+            rng.uniform(0.02, 1.2),
+        )
+
+    async def cancel_one(
+        self,
+        spec: LockSpec,
+        handle: Any,
+        way: str,
+        hold: float,
+        ttl: float,
+        shared: bool,
+        permit: bool,
+        phase: str,
+        again: bool,
+        steps: int,
+        wait: float,
+    ) -> None:
+        """Run one child task taking ``handle`` and cancel it at ``phase`` (see async_cancel).
+
+        ``wait`` is how long a "waiting" child is let wait before the cancel.
+        """
+        rng = random.Random(f"{self.seed}:{spec.name}:{now_ns()}")
         inside, leaving = asyncio.Event(), asyncio.Event()
         rec = _Rec()
         child = asyncio.create_task(
@@ -3820,7 +3868,7 @@ class _Worker:
             name=f"{_owner()}-c{next(self._ids)}",
         )
         if phase == "waiting":
-            await asyncio.wait({child}, timeout=rng.uniform(0.02, 1.2))
+            await asyncio.wait({child}, timeout=wait)
         elif phase == "entering":
             for _ in range(rng.randint(0, 3)):
                 await asyncio.sleep(0)
@@ -3939,6 +3987,39 @@ class _Worker:
                 self.journal.write("outcome", b=rec.body, result="cancelled", detail="")
             raise
 
+    async def cancel_in_sleep(self, delay: float) -> None:
+        """Take the linger lock and a long permit just as Redis falls asleep, and cancel both.
+
+        The nemesis starts a DEBUG SLEEP longer than twice the socket timeout
+        ``delay`` seconds from now: each acquisition's script is then in
+        flight when the cancel lands, its reply times out, and so does the
+        give-back that follows (Redis is still asleep), while Redis, once
+        awake, runs the acquisition it had read. What it granted must still be
+        given back; the orphan rule checks it (see _Checker.check_children).
+        """
+        from django_redis_mutex import Semaphore, mutex
+
+        await asyncio.sleep(delay)
+        lock, sem = self.linger, self.semaphore
+        try:
+            await asyncio.gather(
+                self.cancel_one(
+                    lock, mutex(lock.name, using=lock.usings[0], ttl=LINGER_TTL), "with",
+                    0.05, LINGER_TTL, False, False, "waiting", True, 2, 0.1,
+                ),
+                self.cancel_one(
+                    sem, Semaphore(sem.name, SEMAPHORE_LIMIT, using=sem.usings[0], ttl=LINGER_TTL),
+                    "acquire", 0.05, LINGER_TTL, False, True, "waiting", False, 1, 0.15,
+                ),
+            )  # fmt: skip
+        except Exception as exc:
+            self.journal.write(
+                "unexpected",
+                owner=_owner(),
+                error=f"cancel-in-sleep: {exc!r}",
+                trace=traceback.format_exc()[-3000:],
+            )
+
     # -- commands from the nemesis ------------------------------------------------------------
 
     def on_control(self) -> None:
@@ -3965,6 +4046,10 @@ class _Worker:
                 self.start_scenario(self.side_hold, command)
             elif kind == "nested-reset":
                 self.start_scenario(self.nested_reset, command)
+            elif kind == "cancel-in-sleep":
+                self._background.add(
+                    asyncio.ensure_future(self.cancel_in_sleep(float(command["delay"])))
+                )
 
     def stall(
         self,
