@@ -1919,10 +1919,14 @@ class _Checker:
             if kill is not None
             else "its process was not killed"
         )
+        # The owner's own bodies (a thread's or task's name is in the owner record).
         mine = [
             body
             for body in self.bodies.values()
-            if body.pid == sample.pid and body.name == sample.name and body.parent is None
+            if body.pid == sample.pid
+            and body.name == sample.name
+            and body.parent is None
+            and body.owner == sample.thread
         ]
         last = max(mine, key=lambda body: body.enter, default=None)
         text = (
@@ -1931,7 +1935,9 @@ class _Checker:
             f"{sample.time_left:.3f}s left on its lease; owner record: {sample.owner}; {fate}"
         )
         if last is not None:
-            text += f"; that process's last body of it: {last.describe(self.t0)}"
+            text += f"; its owner's last body of it: {last.describe(self.t0)}"
+        else:
+            text += "; its owner never entered a body of it"
         return Violation(
             f"orphan: {sample.what} outlived its owner",
             text,

@@ -165,7 +165,7 @@ class Journal:
         self.held_after.append(
             HeldSample(
                 phase, at(when), "lock", "single", name, "fence 10", pid,
-                f"host (pid {pid}, thread task0-child)", 1.0, lease,
+                f"host (pid {pid}, thread task0-child)", 1.0, lease, "task0-child",
             )
         )  # fmt: skip
 
@@ -748,6 +748,7 @@ def test_a_waiter_stalled_just_after_its_hand_over_must_not_enter_on_the_lapsed_
 def test_a_lock_still_held_a_second_after_every_worker_went_idle_is_an_orphan() -> None:
     journal = Journal()
     journal.body(1, 10, 0, 100, result="cancelled", is_async=True)
+    journal.events[-3]["owner"] = "task0-child"  # the owner record's task
     journal.orphan_phases = {"idle": at(30_000), "exited": at(32_000)}
     for when in (30_000, 30_500, 31_100):
         journal.held("idle", when)
