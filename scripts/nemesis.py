@@ -11,12 +11,14 @@ Each topology gets its own redis-server(s) on free ports (``single``: one;
 ``quorum``: three masters plus one for an unrelated single-alias lock), a
 PostgreSQL server (from the machine's ``postgresql`` package, see
 tests/databases.py) whose counter rows the workers' transactions update, worker
-processes with threads and asyncio tasks, and the faults the seed plans: worker
-SIGSTOP/SIGKILL, event-loop stalls, Redis SIGSTOP and restarts, proxy latency,
-stalls and cuts, operator resets (see tests/nemesis.py for what is checked and
-why). ``--seconds`` is per topology. The seed is printed first; the same seed
-plans the same faults, so a violation can be chased with it. The exit status
-is 1 when any violation was found, 0 otherwise; nothing outside the run's own
+processes with threads and asyncio tasks (some cancelled mid-acquisition,
+mid-body or mid-release), and the faults the seed plans: worker SIGSTOP/SIGKILL,
+event-loop stalls, Redis SIGSTOP, DEBUG SLEEP and restarts, proxy latency,
+stalls and cuts, operator resets. Afterwards nothing may stay held by an
+owner that is gone (see tests/nemesis.py for what is checked and why).
+``--seconds`` is per topology. The seed is printed first; the same seed plans
+the same faults, so a violation can be chased with it. The exit status is 1
+when any violation was found, 0 otherwise; nothing outside the run's own
 temporary directory and servers is touched.
 """
 

@@ -9,9 +9,11 @@ worker processes (each running threads *and* asyncio tasks) contend for a
 handful of locks through every public way of taking one (some bodies of a
 ``with``, ``async with``, ``acquire()``, decorated call or nested block take
 their lock shared, and nested levels join a shared or an exclusive hold
-shared, on every lock but a quorum's, which cannot be shared), every critical
-section ("body") is journalled with whether it was shared, and :func:`check`
-then asks of the whole history what the lock promises.
+shared, on every lock but a quorum's, which cannot be shared), some bodies
+take a permit of a semaphore (limit SEMAPHORE_LIMIT) instead, some tasks are
+cancelled at a random point of theirs, every critical section ("body") is
+journalled with whether it was shared, and :func:`check` then asks of the
+whole history what the lock promises.
 
 A run (:class:`Nemesis`) starts its own redis-server(s) on free ports: one for
 the ``single`` topology; for ``quorum`` three independent masters (``m1``..
@@ -24,9 +26,12 @@ the seed and topology, so the same seed gives the same schedule) is applied on
 time: SIGSTOP/SIGCONT and SIGKILL (then a restart in the same slot) of workers,
 either a given slot or whichever process holds the hottest lock; event-loop
 stalls inside a worker (a loop callback that calls ``time.sleep``); SIGSTOP/
-SIGCONT and restart of a redis-server (it comes back empty); proxy latency,
-stalls and cuts; operator resets (``django_redis_mutex.reset``) from this
-process. Some faults are scenarios, placed in every 30 s of a run with their
+SIGCONT and restart of a redis-server (it comes back empty); ``DEBUG SLEEP``
+of a redis-server for longer than the workers' socket timeout (unlike a
+SIGSTOP, Redis has read what was sent before and runs it when it wakes, so
+an acquisition or a release whose caller timed out still happens, later);
+proxy latency, stalls and cuts; operator resets (``django_redis_mutex.reset``)
+from this process. Some faults are scenarios, placed in every 30 s of a run with their
 slot and their Redis to themselves:
 
 * hand-over: a thread hands an acquired ``Mutex`` to another thread, which
@@ -35,11 +40,14 @@ slot and their Redis to themselves:
   workers do this by themselves, among their other bodies);
 * hand-off stall: a waiter's event loop stalls right as the lock is handed
   to it, past the hand-off lease, while another thread takes the lock: the
-  waiter must not run its body on the lapsed hand-off. Two variants: a 0.5 s
+  waiter must not run its body on the lapsed hand-off. Three variants: a 0.5 s
   lease and a 1.5 s stall (within the waiter's read timeout, so the hand-off
-  reply is there when the loop runs again), and a stall longer than
+  reply is there when the loop runs again), a stall longer than
   HANDOFF_LEASE on an alias whose socket timeout is longer than the stall (a
-  stall past the read timeout only makes the waiter's read fail);
+  stall past the read timeout only makes the waiter's read fail), and a
+  stall longer than HANDOFF_LEASE but shorter than the lock's lease, begun
+  as the release hands the lock over (often just after), so it may fall
+  between the waiter's wake-up and its entry;
 * nested reset: the operator resets the hot lock while a worker is inside a
   nested ``with`` level of it: the outer block must raise ``LockLost``;
 * side hold (quorum): a master is SIGSTOPped while one process holds both a
@@ -88,6 +96,18 @@ killed after its COMMIT but before its journal line is counted, not blamed.
 Test-only: ``NEMESIS_RELEASE_AT_BLOCK_END=1`` makes these bodies give their
 lock back at the end of its block, before the COMMIT
 (``release_at_block_end=True``), which must show up as lost updates.
+
+Cancellations. A task (``async-cancel``) runs a child task that takes a lock
+or a permit (``async with``, or ``aacquire()``/``arelease()`` in a
+``finally``) and cancels it while it waits in line, a loop step or two after
+its call (an acquisition script in flight), inside its body, or as it leaves
+(its release in flight); half the time a second cancel follows a few loop
+steps later, as AnyIO cancel scopes deliver. A cancelled body's outcome is
+"cancelled": its exit raised CancelledError, not a confirmation, so it
+counts as unconfirmed. A cancel before the body journals an acquisition
+refused as "cancelled". Some of these take the ``linger`` lock, or a
+permit, with a lease of LINGER_TTL, so one left held for nobody is still
+there when the orphan check looks.
 
 Killed holders. A killed process cannot write; a body it had entered but not
 left is taken to end when the kill was confirmed (the process reaped), or when
@@ -138,9 +158,28 @@ What :func:`check` demands, per lock name:
   unconfirmed or killed, and a fault that explains its lost lease before
   the newer one entered. A committed increment its journal does not match,
   or a journalled COMMIT the database does not have, is a violation too.
+* At most ``limit`` permit bodies of a semaphore overlap. When one enters
+  with ``limit`` others inside, enough of them to make room must be excused
+  as a stale lock holder is (told, unconfirmed or killed, and a fault that
+  explains a lost lease between its acquire call and that entry). A
+  ``lock_lost`` signal of a permit names no grant, so it tells no body.
 * After the run no key on any server is without an expiry (``PTTL == -1``),
-  checked every two seconds during the run and at the end, and every lock is
-  gone within a lease or two of the last worker's exit.
+  checked every two seconds during the run and at the end.
+* Nothing outlives its owner (the orphan rule). Once every worker has run
+  its last body and waits, alive, to be let go (its watchdog and background
+  give-backs still running), and again once every worker has exited, the
+  nemesis polls the lock hashes and semaphore holder sets of the run's
+  namespace until nothing is held. A lock or permit still held more than
+  ORPHAN_GRACE (1 s) after the phase began is an orphan, named with its
+  owner record, unless its owner was SIGKILLed and a wait lease plus the
+  longest lease of its name, counted from the kill, explain it. During the
+  run the same holds for each cancelled child task (its name, unique, is in
+  the owner record of whatever it takes): the nemesis samples what is held
+  every 0.3 s, and a grant still held in the name of a child that has ended
+  is an orphan once CHILD_GRACE has passed since the child ended and since
+  every fault that could keep a give-back from Redis (its server paused,
+  asleep or restarting, its proxy stalled, cut or slowed, its process
+  paused or its loop stalled) was over.
 
 What it cannot tell: a caller paused inside its acquire call (a quorum
 acquisition judged after its validity ran out, say) looks the same as one
@@ -166,6 +205,7 @@ import json
 import logging
 import os
 import random
+import re
 import shutil
 import signal
 import subprocess
@@ -257,6 +297,9 @@ class Tuning:
     fault_gap: float = 1.2
 
 
+HANDOFF_VARIANTS = ("short", "long", "mid")
+
+
 def handoff_variant(variant: str) -> tuple[float, float]:
     """Return (the lease of its lock, the loop stall) of a hand-off stall scenario variant.
 
@@ -264,11 +307,17 @@ def handoff_variant(variant: str) -> tuple[float, float]:
     timeout, so the hand-off reply is there when the loop runs again. "long": a
     stall longer than HANDOFF_LEASE, on an alias whose socket timeout outlasts
     it (a stall past the read timeout only makes the waiter's read fail, with
-    nothing to learn).
+    nothing to learn). "mid": a stall longer than HANDOFF_LEASE but shorter
+    than the lock's TTL, begun just after the holder's release handed the
+    lock over: the waiter's hand-over lease lapses while its own lease (were
+    it adopted and renewed) would not, so only the spent hand-over check keeps
+    it out once a competitor took the lapsed lock.
     """
     if variant == "short":
         return 0.5, 1.5
     lease = _handoff_lease()
+    if variant == "mid":
+        return lease + 2.5, lease + 0.8
     return lease + 1.0, lease + 2.0
 
 
@@ -312,6 +361,37 @@ def lock_specs(topology: str) -> list[LockSpec]:
         LockSpec("side", "side:0", ("side",), 2.0),
         LockSpec("side", "side:1", ("side",), 1.0),
     ]
+
+
+#: The lease of the "linger" lock and of some permits, taken by cancelled tasks: long,
+#: so that one left held by an owner that is gone is still there when the run ends
+#: and the orphan check looks.
+LINGER_TTL = 6.0
+#: The permits of the run's semaphore; at most this many permit bodies overlap.
+SEMAPHORE_LIMIT = 2
+
+
+def linger_spec(topology: str) -> LockSpec:
+    """The lock some cancelled tasks take, with a lease of LINGER_TTL (see there)."""
+    space = "single" if topology == "single" else "side"
+    return LockSpec(
+        space, "linger" if space == "single" else "side:linger", (OPERATOR_ALIAS[space],)
+    )
+
+
+def semaphore_spec(topology: str) -> LockSpec:
+    """The semaphore of a run (limit SEMAPHORE_LIMIT), on one Redis: a quorum has none."""
+    space = "single" if topology == "single" else "side"
+    return LockSpec(space, "sem" if space == "single" else "side:sem", (OPERATOR_ALIAS[space],))
+
+
+def longest_lease(topology: str, tuning: Tuning, name: str) -> float:
+    """The longest lease the workers take ``name`` with (a lock's or a semaphore's)."""
+    if name in (linger_spec(topology).name, semaphore_spec(topology).name):
+        return max(LINGER_TTL, tuning.ttl)
+    if "handoff:" in name:
+        return max(handoff_variant(variant)[0] for variant in HANDOFF_VARIANTS)
+    return tuning.ttl
 
 
 def handoff_spec(topology: str, slot: int) -> LockSpec:
@@ -414,6 +494,9 @@ class Fault:
 WORKER_FAULT_WEIGHTS = {"pause-worker": 3.0, "kill-worker": 1.2, "stall-loop": 2.0}
 SERVER_FAULT_WEIGHTS = {
     "pause-redis": 1.0,
+    # DEBUG SLEEP longer than the workers' socket timeout: calls time out while
+    # Redis holds them, and runs them when it wakes.
+    "sleep-redis": 0.8,
     "restart-redis": 0.6,
     "latency": 1.0,
     "stall-proxy": 1.2,
@@ -526,13 +609,34 @@ def make_plan(seed: int, topology: str, seconds: float, tuning: Tuning) -> list[
             return True
         return False
 
+    def sleep(at: float) -> bool:
+        # On the Redis of the linger lock and the semaphore, long enough that a
+        # give-back sent a socket timeout into it times out too; a worker of
+        # ``slot`` takes and cancels both as it falls asleep.
+        server = hosts(linger_spec(topology).space)[0]
+        length = rng.uniform(2.3, 3.0) * tuning.socket_timeout
+        if claim(at, at + length + 1.0, f"server:{server}", avoid=(f"hush:{server}",)):
+            slot = rng.choice(slots)
+            faults.append(Fault(at, "sleep-redis", slot=slot, server=server, seconds=length))
+            return True
+        return False
+
+    def sleep_length() -> float:
+        # Always past the socket timeout, so calls in flight time out.
+        return rng.uniform(1.3, 2.8) * tuning.socket_timeout
+
+    # With one server, the scenarios' quiet spans leave little room for the
+    # server faults every window must have: the two long hand-off stalls run
+    # side by side (other slots) at its start, the rest after them.
     for window in range(windows):
-        first_fit(window, (0.15, 0.2, 0.1, 0.25), handoff("short"))
-        first_fit(window, (0.45, 0.5, 0.4, 0.55), handoff("long"))
-        first_fit(window, (0.35, 0.3, 0.4, 0.25, 0.8), nested_reset)
+        first_fit(window, (0.1, 0.12, 0.45, 0.4, 0.55), handoff("long"))
+        first_fit(window, (0.11, 0.13, 0.6, 0.55, 0.3, 0.05), handoff("mid"))
+        first_fit(window, (0.48, 0.5, 0.15, 0.2, 0.1), handoff("short"))
+        first_fit(window, (0.5, 0.35, 0.3, 0.4, 0.25, 0.8), nested_reset)
         if topology == "quorum":
             first_fit(window, (0.3, 0.25, 0.35, 0.2, 0.6, 0.7), side_hold)
-        first_fit(window, (0.55, 0.85, 0.35, 0.65, 0.75, 0.2), restart)
+        first_fit(window, (0.68, 0.7, 0.85, 0.55, 0.35, 0.2), restart)
+        first_fit(window, (0.76, 0.8, 0.9, 0.6, 0.4, 0.15), sleep)
 
     kinds = {**WORKER_FAULT_WEIGHTS, **SERVER_FAULT_WEIGHTS}
     t = calm
@@ -561,8 +665,12 @@ def make_plan(seed: int, topology: str, seconds: float, tuning: Tuning) -> list[
                 faults.append(Fault(t, kind, space=spec.space, name=spec.name))
         else:
             server = rng.choice(servers)
-            if kind in ("pause-redis", "restart-redis"):
-                length = span() if kind == "pause-redis" else rng.uniform(0.05, 0.5)
+            if kind in ("pause-redis", "restart-redis", "sleep-redis"):
+                length = {
+                    "pause-redis": span,
+                    "restart-redis": lambda: rng.uniform(0.05, 0.5),
+                    "sleep-redis": sleep_length,
+                }[kind]()
                 if claim(t, t + length + 1.0, f"server:{server}", avoid=(f"hush:{server}",)):
                     faults.append(Fault(t, kind, server=server, seconds=length))
                 continue
@@ -631,6 +739,67 @@ class FaultRecord:
         return text
 
 
+@dataclass(frozen=True)
+class HeldSample:
+    """A lock or permit the orphan check saw held after the run, at ``t`` (ns).
+
+    ``phase`` is "idle" (every worker had run its last body and still lived,
+    watchdog and all) or "exited" (every worker had exited or been killed).
+    ``grant`` names the grant (a lock's fence, a permit's token); ``lease`` is
+    the longest lease the workers take ``name`` with.
+    """
+
+    phase: str
+    t: int
+    what: str
+    space: str
+    name: str
+    grant: str
+    pid: int | None
+    owner: str
+    time_left: float
+    lease: float
+    #: The owner record's thread or task name.
+    thread: str | None = None
+
+
+#: A cancelled child task's name ends so (see _Worker.async_cancel).
+CHILD_SUFFIX = re.compile(r"-c[0-9]+$")
+#: How long after an owner is gone (and every fault that could keep its
+#: give-back from Redis is over) what it held may still be held: the grace,
+#: plus the longest wait between two tries of a background give-back.
+CHILD_GRACE = 2 * NS
+
+
+#: After every worker is idle or gone, nothing may stay held longer than this (ns),
+#: unless a killed owner's lease explains it.
+ORPHAN_GRACE = NS
+
+
+def orphan_deadline(sample: HeldSample, start: int, kills: dict[int, FaultRecord]) -> int:
+    """Until when (ns) ``sample``'s lock or permit may still be held; ``start``: its phase's.
+
+    A grace of ORPHAN_GRACE from the phase's start; for an owner the nemesis
+    SIGKILLed, until its lease could have run out: renewed last at the kill
+    at the latest, or handed to it as a waiter up to a wait lease after its
+    last check-in (the kill), with a lease of up to ``sample.lease``.
+    """
+    allowed = start + ORPHAN_GRACE
+    kill = kills.get(sample.pid) if sample.pid is not None else None
+    if kill is not None:
+        allowed = max(allowed, kill.t0 + int((_wait_lease() + sample.lease) * NS) + MARGIN)
+    return allowed
+
+
+def _wait_lease() -> float:
+    """A waiter's place in line (scripts.py), 2 s if it moved."""
+    try:
+        from django_redis_mutex import scripts
+    except ImportError:
+        return 2.0
+    return float(getattr(scripts, "WAIT_LEASE", 2.0))
+
+
 @dataclass
 class RunInfo:
     """What the checker needs to know about a run besides the workers' journals."""
@@ -650,6 +819,12 @@ class RunInfo:
     data: DataState | None = None
     #: The transactional bodies gave their lock back at its block's end (test-only).
     release_at_block_end: bool = False
+    #: What the orphan check saw held after the run, and when each of its
+    #: phases ("idle", "exited") began (empty: not checked, as in hand-made histories).
+    held_after: list[HeldSample] = field(default_factory=list)
+    orphan_phases: dict[str, int] = field(default_factory=dict)
+    #: What was seen held during the run in the name of a cancelled child task.
+    held_during: list[HeldSample] = field(default_factory=list)
 
 
 # == the checker =================================================================================
@@ -706,6 +881,12 @@ class Body:
     given_back: bool | None = None
     #: When the block of a lock kept for its transaction had exited (before the COMMIT).
     exited_at: int | None = None
+    #: A permit of a semaphore of ``limit`` permits (``name`` is the semaphore's).
+    limit: int | None = None
+
+    @property
+    def permit(self) -> bool:
+        return self.limit is not None
 
     @property
     def status(self) -> str:
@@ -762,6 +943,10 @@ BLOCK_KINDS = frozenset(
         "tx-decorated",
         "tx-inside",
         "async-tx",
+        "sem-with",
+        "async-sem",
+        "async-cancel-with",
+        "async-sem-cancel-with",
     }
 )
 #: Kinds that read-modify-write their lock's counter row in a database transaction.
@@ -849,6 +1034,8 @@ class _Checker:
         self.scenarios: dict[str, dict[str, Any]] = defaultdict(dict)
         self.threats: list[Threat] = []
         self.excused: list[str] = []
+        self.cancels: list[dict[str, Any]] = []
+        self.children: dict[tuple[int, str], dict[str, Any]] = {}
 
     # -- reading --------------------------------------------------------------------------
 
@@ -883,8 +1070,11 @@ class _Checker:
                     scenario=event.get("scenario"),
                     ttl=float(event.get("ttl") or self.ttl),
                     shared=bool(event.get("shared")),
+                    limit=event.get("limit"),
                 )
                 self.stats["bodies"] += 1
+                if event.get("limit") is not None:
+                    self.stats["permit bodies"] += 1
                 if event.get("shared"):
                     self.stats["shared bodies"] += 1
                 if event["kind"] in TX_KINDS:
@@ -892,6 +1082,10 @@ class _Checker:
                 self.detail["kinds"][event["kind"]] += 1
             elif kind == "refused":
                 self.detail["refused"][event["why"]] += 1
+            elif kind == "cancel":
+                self.cancels.append(event)
+            elif kind == "child-end":
+                self.children[(pid, event["child"])] = event
             elif kind == "hiccup":
                 self.gaps[pid].append((event["t0"], event["t1"], f"hiccup of pid {pid}"))
             elif kind == "stall":
@@ -940,7 +1134,8 @@ class _Checker:
         for body in self.bodies.values():
             by_hold[(body.pid, body.name, body.fence)].append(body)
         for event in self.events:
-            if event["e"] == "told" and event.get("how") == "signal":
+            # A permit's signal names no grant (see _Worker._on_lost): it tells no body.
+            if event["e"] == "told" and event.get("how") == "signal" and not event.get("permit"):
                 for body in by_hold.get((event["pid"], event["name"], int(event["fence"])), []):
                     self.note_told(body, event["t"], "lock_lost signal")
 
@@ -1024,7 +1219,7 @@ class _Checker:
             label = record.describe(self.t0)
             if record.kind == "restart-redis":
                 self.threats.append(Threat(record.t0, record.end, label, spaces=spaces))
-            elif record.kind == "pause-redis":
+            elif record.kind in ("pause-redis", "sleep-redis"):
                 self.threats.append(
                     Threat(record.t0, record.end, label, spaces=spaces, measure="length")
                 )
@@ -1092,10 +1287,12 @@ class _Checker:
 
     # -- the checks ---------------------------------------------------------------------------
 
-    def by_lock(self) -> dict[tuple[str, str], list[Body]]:
+    def by_lock(self, permits: bool = False) -> dict[tuple[str, str], list[Body]]:
+        """Group the bodies by lock (or, with ``permits``, the permit bodies by semaphore)."""
         groups: dict[tuple[str, str], list[Body]] = defaultdict(list)
         for body in self.bodies.values():
-            groups[(body.space, body.name)].append(body)
+            if body.permit == permits:
+                groups[(body.space, body.name)].append(body)
         for bodies in groups.values():
             bodies.sort(key=lambda b: (b.enter, b.id))
         return groups
@@ -1206,7 +1403,9 @@ class _Checker:
                 continue
             self.stats["handoff scenarios"] += 1
             s0, s1 = stall
-            if holder.status != "clean" or not (waiter.called < s0 <= release["t"]):
+            # The stall begins before the release; in the "mid" variant also just after it.
+            late = NS if parts.get("start", {}).get("variant") == "mid" else 0
+            if holder.status != "clean" or not (waiter.called < s0 <= release["t"] + late):
                 continue
             if waiter.enter < s1 or self.paused(waiter.pid, s1, waiter.enter):
                 continue
@@ -1522,6 +1721,231 @@ class _Checker:
         self.detail["lost updates excused"][status] += 1
         self.excused.append(f"{what}; excused: {cause}")
 
+    # -- permits, cancellations, orphans ------------------------------------------------------
+
+    def check_permits(self) -> None:
+        """At most ``limit`` permit bodies of one semaphore overlap, save for excused holders.
+
+        When a body enters with ``limit`` others inside, enough of those must
+        be excused as a stale lock holder is: told, unconfirmed or killed, and
+        a fault that explains how it lost its lease between its acquire call
+        and this entry. A permit has no fence, so any of them may be the stale one.
+        """
+        for (space, name), bodies in sorted(self.by_lock(permits=True).items()):
+            active: list[Body] = []
+            for body in bodies:
+                active = [other for other in active if other.end > body.enter]
+                limit = body.limit or SEMAPHORE_LIMIT
+                if active:
+                    self.stats["permit overlaps"] += 1
+                over = len(active) + 1 - limit
+                if over > 0:
+                    self.judge_permits(space, name, limit, body, active, over)
+                active.append(body)
+
+    def judge_permits(
+        self, space: str, name: str, limit: int, newest: Body, active: list[Body], over: int
+    ) -> None:
+        self.stats["permits over the limit"] += 1
+        excusable = []
+        for other in active:
+            if other.status == "clean":
+                continue
+            cause = self.explain(other, other.called, newest.enter)
+            if cause is not None:
+                excusable.append((other, cause))
+        inside = [newest, *active]
+        text = (
+            f"semaphore {space}:{name} (limit {limit}): {len(inside)} permit bodies at once "
+            f"at +{(newest.enter - self.t0) / NS:.3f}s: "
+            + " and ".join(body.describe(self.t0) for body in inside)
+        )
+        if len(excusable) >= over:
+            self.detail["excused"]["permit " + excusable[0][0].status] += 1
+            self.excused.append(
+                text + "; excused: " + "; ".join(f"{b.id}: {cause}" for b, cause in excusable)
+            )
+            return
+        unexcused = [body for body in active if all(body is not b for b, _ in excusable)]
+        why = (
+            "none of the others was told or unconfirmed"
+            if all(body.status == "clean" for body in unexcused)
+            else "nothing in the run could have cost the others' leases"
+        )
+        self.violations.append(
+            Violation(
+                "permits: more holders than the limit",
+                f"{text}; {why}",
+                newest.enter,
+                min(body.end for body in inside),
+                tuple(body.pid for body in inside),
+            )
+        )
+
+    def count_cancels(self) -> None:
+        """Count the cancels by where they found the child: acquiring, inside, or releasing."""
+        for event in self.cancels:
+            if event.get("n", 1) > 1:
+                self.stats["repeated cancels"] += 1
+                continue
+            body = self.bodies.get(event.get("b") or "")
+            if body is None:
+                where = "acquiring"
+            elif body.leave is not None and body.leave <= event["t"]:
+                where = "releasing"
+            else:
+                where = "inside"
+            self.detail["cancelled"][where] += 1
+            self.detail["cancel phases"][event.get("phase", "?")] += 1
+
+    def check_orphans(self) -> None:
+        """No lock or permit may stay held after the run by an owner that is gone.
+
+        Once every worker had run its last body (the "idle" phase: processes,
+        watchdogs and background give-backs alive) and again once every one
+        had exited, what the nemesis still saw held must be gone within
+        ORPHAN_GRACE, unless its owner was SIGKILLed and its lease explains it
+        (see :func:`orphan_deadline`).
+        """
+        phases = self.info.orphan_phases
+        if not phases:
+            return
+        self.stats["orphan check"] = 1
+        last: dict[tuple[str, str, str, str, str], HeldSample] = {}
+        for sample in self.info.held_after:
+            self.stats["orphan samples"] += 1
+            key = (sample.phase, sample.what, sample.space, sample.name, sample.grant)
+            if key not in last or sample.t > last[key].t:
+                last[key] = sample
+        for key in sorted(last):
+            sample = last[key]
+            start = phases[sample.phase]
+            if sample.t <= orphan_deadline(sample, start, self.kills):
+                self.stats["held after the run, explained"] += 1
+                continue
+            self.violations.append(self.orphan(sample, start))
+
+    def check_children(self) -> None:
+        """Nothing may stay held in the name of a cancelled child task that has ended.
+
+        A child's grant is given back when it ends, or from the background
+        once Redis answers: what the nemesis still sees held in its name
+        CHILD_GRACE after it ended, and after every fault that could keep a
+        give-back from Redis (its server paused, asleep or restarting, its
+        proxy stalled, cut or slowed, its process paused or its loop stalled)
+        is over, outlived its owner. A SIGKILLed child's process explains its
+        grants up to a wait lease and a lease after the kill.
+        """
+        if not self.children:
+            return
+        latest: dict[tuple[int, str, str, str], HeldSample] = {}
+        for sample in self.info.held_during:
+            if sample.pid is None or sample.thread is None:
+                continue
+            key = (sample.pid, sample.thread, sample.space, sample.name)
+            if key not in latest or sample.t > latest[key].t:
+                latest[key] = sample
+        self.stats["children ended"] = len(self.children)
+        self.stats["child grants sampled"] = len(self.info.held_during)
+        for key in sorted(latest):
+            sample = latest[key]
+            child = self.children.get((key[0], key[1]))
+            if child is None or child["t"] >= sample.t:
+                continue  # still running when seen
+            self.stats["held by an ended child, seen"] += 1
+            deadline = self.child_deadline(sample, child)
+            if sample.t <= deadline:
+                continue
+            self.violations.append(self.orphan(sample, child["t"], child=child))
+
+    def child_deadline(self, sample: HeldSample, child: dict[str, Any]) -> int:
+        """Until when (ns) ``sample`` may be held after its child task ended."""
+        lease = int(sample.lease * NS)
+        servers = [
+            server for server in SERVERS[self.info.topology] if sample.space in SPACES_ON[server]
+        ]
+        slot = self.slot_of.get(sample.pid or -1)
+        blocking: list[tuple[int, int]] = []
+        for record in self.info.faults:
+            on_server = record.kind in ("pause-redis", "sleep-redis", "restart-redis")
+            on_path = record.kind in ("stall-proxy", "cut-proxy", "latency") and (
+                record.slot in (None, slot)
+            )
+            if record.server in servers and (on_server or on_path):
+                blocking.append((record.t0, record.end))
+        gaps = self.merged_async.get(sample.pid or -1, [])
+        blocking += [(a, b) for a, b, _ in gaps]
+        blocking += [(a, b) for a, b in self.info.hiccups]
+        deadline = child["t"] + CHILD_GRACE
+        for start, stop in sorted(blocking):
+            # A fault that began within a lease before the child ended may have
+            # kept its give-back (or the script it gives back) from Redis.
+            if start <= deadline and stop >= child["t"] - lease:
+                deadline = max(deadline, stop + CHILD_GRACE)
+        kill = self.kills.get(sample.pid) if sample.pid is not None else None
+        if kill is not None:
+            deadline = max(deadline, kill.t0 + int((_wait_lease() + sample.lease) * NS) + MARGIN)
+        return deadline
+
+    def orphan(
+        self, sample: HeldSample, start: int, child: dict[str, Any] | None = None
+    ) -> Violation:
+        """Describe a lock or permit held past its deadline, with its owner's last body."""
+        if child is not None:
+            after = (
+                f"its owner, a child task cancelled {child.get('cancels')} time(s) "
+                f"({child.get('phase')}), ended at +{(child['t'] - self.t0) / NS:.3f}s"
+            )
+            what = f"{sample.what} {sample.space}:{sample.name} ({sample.grant})"
+            body = self.bodies.get(child.get("b") or "")
+            text = (
+                f"{what} still held at +{(sample.t - self.t0) / NS:.3f}s, "
+                f"{(sample.t - start) / NS:.3f}s after {after}, with nothing to keep a "
+                f"give-back from Redis since; {sample.time_left:.3f}s left on its lease; "
+                f"owner record: {sample.owner}; "
+                + (f"its body: {body.describe(self.t0)}" if body else "it never entered a body")
+            )
+            return Violation(
+                f"orphan: {sample.what} outlived its owner",
+                text,
+                start,
+                sample.t,
+                (sample.pid,) if sample.pid is not None else (),
+            )
+        after = "had run its last body" if sample.phase == "idle" else "had exited"
+        kill = self.kills.get(sample.pid) if sample.pid is not None else None
+        fate = (
+            f"its process was killed at +{(kill.t0 - self.t0) / NS:.3f}s"
+            if kill is not None
+            else "its process was not killed"
+        )
+        # The owner's own bodies (a thread's or task's name is in the owner record).
+        mine = [
+            body
+            for body in self.bodies.values()
+            if body.pid == sample.pid
+            and body.name == sample.name
+            and body.parent is None
+            and body.owner == sample.thread
+        ]
+        last = max(mine, key=lambda body: body.enter, default=None)
+        text = (
+            f"{sample.what} {sample.space}:{sample.name} ({sample.grant}) still held "
+            f"{(sample.t - start) / NS:.3f}s after every worker {after}, "
+            f"{sample.time_left:.3f}s left on its lease; owner record: {sample.owner}; {fate}"
+        )
+        if last is not None:
+            text += f"; its owner's last body of it: {last.describe(self.t0)}"
+        else:
+            text += "; its owner never entered a body of it"
+        return Violation(
+            f"orphan: {sample.what} outlived its owner",
+            text,
+            start,
+            sample.t,
+            (sample.pid,) if sample.pid is not None else (),
+        )
+
     def check_processes(self) -> None:
         pids = {event["pid"] for event in self.events}
         for pid in sorted(pids):
@@ -1546,7 +1970,11 @@ class _Checker:
         self.check_told_at_exit()
         self.check_losses()
         self.check_fences(groups)
+        self.check_permits()
+        self.count_cancels()
         self.check_data()
+        self.check_orphans()
+        self.check_children()
         self.check_processes()
         stats: dict[str, Any] = dict(self.stats)
         for key, counter in self.detail.items():
@@ -1657,9 +2085,25 @@ class Report:
             f"  fences: {stats.get('fences unique', 0)} checked unique, "
             f"{stats.get('fences in order', 0)} consecutive pairs checked in order, "
             f"{stats.get('fences against shared', 0)} exclusive ones against shared bodies",
+            f"  permits: {stats.get('permit bodies', 0)} bodies, "
+            f"{stats.get('permit overlaps', 0)} entered beside another, "
+            f"{stats.get('permits over the limit', 0)} over the limit (each excused or a "
+            "violation)",
+            "  cancels: "
+            + (
+                ", ".join(f"{k} {v}" for k, v in sorted(stats.get("cancelled", {}).items()))
+                or "none"
+            )
+            + f"; repeated {stats.get('repeated cancels', 0)}; "
+            f"{stats.get('children ended', 0)} cancelled children ended, "
+            f"{stats.get('child grants sampled', 0)} samples of their grants, "
+            f"{stats.get('held by an ended child, seen', 0)} of their grants seen held after",
             f"  keys: {runner.get('keys scanned', 0)} scanned for an expiry in "
-            f"{runner.get('scans', 0)} scans; locks drained "
-            f"{runner.get('drained', 'not checked')}",
+            f"{runner.get('scans', 0)} scans",
+            f"  orphans: {'checked' if stats.get('orphan check') else 'not checked'}, "
+            f"{stats.get('orphan samples', 0)} held samples; everything given back "
+            f"{runner.get('drained while idle', 'not checked')} of the workers going idle, "
+            f"{runner.get('drained', 'not checked')} of their exit",
             f"  result: {'OK' if self.ok else f'{len(self.violations)} violation(s)'}"
             + (
                 " ("
@@ -1842,6 +2286,10 @@ class Nemesis:
         self._stopping = threading.Event()
         self._threads: list[threading.Thread] = []
         self._hiccups: list[tuple[int, int]] = []
+        self._sleepers: list[threading.Thread] = []
+        self._held_after: list[HeldSample] = []
+        self._held_during: list[HeldSample] = []
+        self._orphan_phases: dict[str, int] = {}
         self._problems: list[Violation] = []
         self._ttl_lock = threading.Lock()
         self._keys_scanned = 0
@@ -1859,7 +2307,8 @@ class Nemesis:
         from .proxy import Proxy
 
         for name in SERVERS[self.topology]:
-            self.servers[name] = RedisServer().start()
+            # DEBUG SLEEP stalls the server with its clients connected (sleep-redis).
+            self.servers[name] = RedisServer(extra_args=["--enable-debug-command", "yes"]).start()
         self._start_database()
         for slot in self.slots:
             for name, server in self.servers.items():
@@ -1900,6 +2349,8 @@ class Nemesis:
                 "database": self.database,
                 "release_at_block_end": self.release_at_block_end,
                 "handoff": handoff_spec(self.topology, slot.index).to_json(),
+                "linger": linger_spec(self.topology).to_json(),
+                "semaphore": semaphore_spec(self.topology).to_json(),
                 "ttl": self.tuning.ttl,
                 "timeout": self.tuning.acquire_timeout,
                 "threads": self.tuning.threads,
@@ -2018,6 +2469,22 @@ class Nemesis:
         while not self._stopping.wait(2.0):
             self._scan_expiries()
 
+    def _sample_children(self) -> None:
+        """Note, during the run, what is held in the name of a cancelled child task.
+
+        Such a child has a name of its own (CHILD_SUFFIX) that ends up in the
+        owner record of whatever it took; the checker compares these samples
+        with when each child ended (see _Checker.check_children).
+        """
+        while not self._stopping.wait(0.3):
+            if now_ns() > self.end:
+                return
+            self._held_during += [
+                sample
+                for sample in self._held_now("run", quiet=True)
+                if sample.thread and CHILD_SUFFIX.search(sample.thread)
+            ]
+
     # -- the schedule -------------------------------------------------------------------------
 
     def _at(self, when: int, action: Callable[[], None]) -> None:
@@ -2038,7 +2505,7 @@ class Nemesis:
         space, name = HOT[self.topology]
         if any(server.process is None for server in self.servers.values()):
             return None  # a down server would cost a socket timeout to find out
-        if any(r.kind == "pause-redis" and r.t1 is None for r in self.records):
+        if any(r.kind in ("pause-redis", "sleep-redis") and r.t1 is None for r in self.records):
             return None
         try:
             locks = held_locks(OPERATOR_ALIAS[space])
@@ -2183,6 +2650,45 @@ class Nemesis:
 
         self._at(record.t0 + int(fault.seconds * NS), resume)
 
+    def _sleep_redis(self, fault: Fault) -> None:
+        """Keep a server busy with DEBUG SLEEP, past the workers' socket timeout.
+
+        Unlike a SIGSTOP, the server has read what its clients sent before the
+        sleep and runs it after: an acquisition or release whose caller timed
+        out still happens, later.
+        """
+        import redis
+
+        assert fault.server is not None
+        server = self.servers[fault.server]
+        if server.process is None:
+            self._skip(fault, "server down")
+            return
+        record = self._record("sleep-redis", server=fault.server, seconds=fault.seconds)
+        target = self._target(fault) if fault.slot is not None else None
+        hosts_linger = linger_spec(self.topology).space in SPACES_ON[fault.server]
+        if target is not None and hosts_linger and fault.seconds > 2 * self.tuning.socket_timeout:
+            # Its acquisitions land in the sleep, and are cancelled there.
+            self._command(target, {"cmd": "cancel-in-sleep", "delay": 0.1, "fault": record.id})
+            record.slot, record.pid = target.index, target.pid
+            record.note = "with cancelled acquisitions"
+
+        def sleep() -> None:
+            client = redis.Redis(port=server.port, socket_timeout=fault.seconds + 10)
+            try:
+                record.t0 = now_ns()
+                client.execute_command("DEBUG", "SLEEP", f"{fault.seconds:.3f}")
+            except redis.RedisError as exc:
+                record.note = f"{type(exc).__name__}: {exc}"[:200]
+            finally:
+                record.t1 = now_ns()
+                client.close()
+
+        thread = threading.Thread(target=sleep, name="nemesis-sleep-redis", daemon=True)
+        # The command runs on the worker's loop first; then Redis falls asleep.
+        self._at(now_ns() + 50_000_000, thread.start)
+        self._sleepers.append(thread)
+
     def _restart_redis(self, fault: Fault) -> None:
         assert fault.server is not None
         server = self.servers[fault.server]
@@ -2289,6 +2795,8 @@ class Nemesis:
         while self._queue:
             _, _, action = heapq.heappop(self._queue)
             action()
+        for thread in self._sleepers:
+            thread.join(15)
         for slot in self.slots:
             if slot.stopped is not None and slot.pid is not None:
                 os.kill(slot.pid, signal.SIGCONT)
@@ -2341,40 +2849,96 @@ class Nemesis:
                 )
             slot.process = None
 
-    def _drain(self) -> str:
-        """Wait until no lock is held on any server; every holder is gone, so leases end."""
-        from django_redis_mutex import held_locks
+    def _wait_idle(self, timeout: float = 60.0) -> None:
+        """Wait until every live worker has run its last body (it stays alive meanwhile)."""
+        deadline = time.monotonic() + timeout
+        for slot in self.slots:
+            while slot.process is not None and slot.process.poll() is None:
+                if (self.workdir / f"idle-{slot.index}-{slot.incarnation}").exists():
+                    break
+                if time.monotonic() > deadline:
+                    return  # _finish_workers reports it stuck
+                time.sleep(0.02)
 
+    def _held_now(self, phase: str, quiet: bool = False) -> list[HeldSample]:
+        """Return every lock and permit held now in the run's namespace, on every server."""
+        from django_redis_mutex import held_locks, held_semaphores
+
+        samples: list[HeldSample] = []
+        spaces = sorted({s for server in SERVERS[self.topology] for s in SPACES_ON[server]})
+        for space in spaces:
+            alias = OPERATOR_ALIAS[space]
+            t = now_ns()
+            try:
+                locks = held_locks(alias)
+                sems = held_semaphores(alias) if space != "quorum" else []
+            except Exception as exc:
+                if not quiet:  # during the run, faults make a server unreadable at times
+                    self._problems.append(
+                        Violation("harness", f"the orphan check could not read {alias}: {exc!r}")
+                    )
+                continue
+            for lock in locks:
+                holders = lock.holders or (lock,)
+                for holder in holders:
+                    samples.append(
+                        HeldSample(
+                            phase,
+                            t,
+                            "lock",
+                            space,
+                            lock.name,
+                            f"fence {holder.fence}",
+                            holder.owner.pid,
+                            str(holder.owner),
+                            holder.time_left,
+                            longest_lease(self.topology, self.tuning, lock.name),
+                            holder.owner.thread,
+                        )
+                    )
+            for sem in sems:
+                for permit in sem.holders:
+                    samples.append(
+                        HeldSample(
+                            phase,
+                            t,
+                            "permit",
+                            space,
+                            sem.name,
+                            f"token {permit.token}",
+                            permit.owner.pid,
+                            str(permit.owner),
+                            permit.time_left,
+                            longest_lease(self.topology, self.tuning, sem.name),
+                            permit.owner.thread,
+                        )
+                    )
+        return samples
+
+    def _look_for_orphans(self, phase: str) -> str:
+        """Poll what is held until nothing is, or until each thing's deadline has passed.
+
+        The checker judges the samples (see _Checker.check_orphans); here they
+        are only gathered, every 50 ms.
+        """
         started = now_ns()
-        limit = 2 * self.tuning.ttl + 3.0
-        aliases = sorted(
-            {OPERATOR_ALIAS[s] for server in SERVERS[self.topology] for s in SPACES_ON[server]}
-        )
-        left: list[str] = []
+        self._orphan_phases[phase] = started
+        kills = {r.pid: r for r in self.records if r.kind in ("kill-worker", "teardown-kill")}
+        kills = {pid: record for pid, record in kills.items() if pid is not None}
+        cap = started + 20 * NS
         while True:
-            left = []
-            for alias in aliases:
-                try:
-                    left += [
-                        f"{alias}:{h.name} fence {h.fence} time left {h.time_left:.3f}s"
-                        for h in held_locks(alias)
-                    ]
-                except Exception as exc:
-                    left.append(f"{alias}: {exc!r}")
-            if not left:
+            samples = self._held_now(phase)
+            self._held_after += samples
+            if not samples:
                 return f"within {(now_ns() - started) / NS:.2f}s"
-            if now_ns() - started > limit * NS:
-                break
+            latest = max(orphan_deadline(sample, started, kills) for sample in samples)
+            if now_ns() > min(latest + NS // 4, cap):
+                return "never"
             time.sleep(0.05)
-        self._problems.append(
-            Violation(
-                "lock outlived every holder",
-                f"{limit:g}s after every worker exited, still held: {'; '.join(left)}",
-                now_ns(),
-                now_ns(),
-            )
-        )
-        return "never"
+
+    def _release_workers(self) -> None:
+        """Let the idle workers exit."""
+        (self.workdir / "quit").touch()
 
     def run(self) -> Report:
         """Run the whole thing and return the report; everything started is stopped after."""
@@ -2393,6 +2957,7 @@ class Nemesis:
                 (self.workdir / "go.tmp").rename(self.workdir / "go")
                 self.log(f"nemesis: seed {self.seed}, topology {self.topology}, {self.seconds:g}s")
                 self._thread(self._scanner, "nemesis-expiry-scan")
+                self._thread(self._sample_children, "nemesis-child-samples")
                 for fault in plan:
                     self._at(self.t0 + int(fault.at * NS), functools.partial(self._apply, fault))
                 while self._queue and self._queue[0][0] <= self.end:
@@ -2401,13 +2966,16 @@ class Nemesis:
                     action()
                 self._sleep_until(self.end)
                 self._heal()
+                self._wait_idle()
+                orphans_idle = self._look_for_orphans("idle")
+                self._release_workers()
                 self._finish_workers()
                 self._executor.shutdown(wait=True)
                 self._stopping.set()
                 for thread in self._threads:
                     thread.join(10)
                 self._scan_expiries(final=True)
-                drained = self._drain()
+                drained = self._look_for_orphans("exited")
             info = RunInfo(
                 topology=self.topology,
                 seed=self.seed,
@@ -2419,12 +2987,18 @@ class Nemesis:
                 problems=self._problems,
                 data=read_state(self.database),
                 release_at_block_end=self.release_at_block_end,
+                held_after=self._held_after,
+                held_during=self._held_during,
+                orphan_phases=self._orphan_phases,
             )
             events = load_journals(self.history)
             verdict = check(events, info)
             with open(self.workdir / "faults.jsonl", "w", encoding="utf-8") as log:
                 for record in self.records:
                     log.write(json.dumps(record.__dict__) + "\n")
+            with open(self.workdir / "held.jsonl", "w", encoding="utf-8") as log:
+                for sample in self._held_during + self._held_after:
+                    log.write(json.dumps(sample.__dict__) + "\n")
             (self.workdir / "plan.txt").write_text(
                 "".join(fault.describe() + "\n" for fault in plan), encoding="utf-8"
             )
@@ -2437,6 +3011,7 @@ class Nemesis:
                     "keys scanned": self._keys_scanned,
                     "scans": self._scans,
                     "drained": drained,
+                    "drained while idle": orphans_idle,
                     "gaps": dict(gaps),
                     "workdir": str(self.workdir) if self.keep else "",
                 }
@@ -2548,6 +3123,8 @@ SYNC_KINDS = {
     "tx-with": 4.0,
     "tx-decorated": 3.0,
     "tx-inside": 2.0,
+    # A permit of the run's semaphore.
+    "sem-with": 2.0,
 }
 ASYNC_KINDS = {
     "async-with": 4.0,
@@ -2555,7 +3132,12 @@ ASYNC_KINDS = {
     "async-decorated": 3.0,
     "async-nested": 2.0,
     "async-tx": 5.0,
+    "async-sem": 2.0,
+    # A child task taking a lock or a permit, cancelled at a random point.
+    "async-cancel": 5.0,
 }
+#: Where a cancelled child task is when its first cancel lands.
+CANCEL_PHASES = ("waiting", "entering", "inside", "leaving")
 #: Test-only: set to 1, the transactional bodies give their lock back at the end of
 #: its block (``release_at_block_end=True``), before their COMMIT; the checker must
 #: then find lost updates.
@@ -2579,6 +3161,8 @@ class _Worker:
         )
         self.specs = [LockSpec.from_json(s) for s in config["locks"]]
         self.handoff = LockSpec.from_json(config["handoff"])
+        self.linger = LockSpec.from_json(config["linger"])
+        self.semaphore = LockSpec.from_json(config["semaphore"])
         self.ttl = float(config["ttl"])
         self.timeout = float(config["timeout"])
         self.seed = f"{config['seed']}:{config['topology']}:{self.slot}:{incarnation}"
@@ -2593,6 +3177,8 @@ class _Worker:
         self._control_offset = 0
         self._control_lock = threading.Lock()
         self._scenario_threads: list[threading.Thread] = []
+        # Tasks started by commands, kept so that they are not collected while running.
+        self._background: set[asyncio.Future[None]] = set()
         signals.lock_acquired.connect(self._on_acquired, weak=False)
         signals.lock_lost.connect(self._on_lost, weak=False)
         signals.lock_released.connect(self._on_released, weak=False)
@@ -2604,7 +3190,17 @@ class _Worker:
         self._announced[(threading.get_ident(), name)] = int(fence)
 
     def _on_lost(self, sender: Any, name: str, fence: Any, **kwargs: Any) -> None:
-        self.journal.write("told", how="signal", name=name, fence=int(fence), alias=str(sender))
+        # A permit has no fence: which of this process's permits of ``name`` was
+        # lost the signal does not say, so it tells no permit body (their
+        # ``lost`` flag and their exit do).
+        self.journal.write(
+            "told",
+            how="signal",
+            name=name,
+            fence=-1 if fence is None else int(fence),
+            alias=str(sender),
+            permit=kwargs.get("kind") == "semaphore",
+        )
 
     def _announced_fence(self, name: str) -> int | None:
         return self._announced.pop((threading.get_ident(), name), None)
@@ -2630,6 +3226,7 @@ class _Worker:
         scenario: str | None = None,
         ttl: float | None = None,
         shared: bool = False,
+        permit: bool = False,
     ) -> str:
         t = now_ns()
         body = f"{os.getpid()}-{next(self._ids)}"
@@ -2648,6 +3245,8 @@ class _Worker:
             scenario=scenario,
             ttl=ttl or self.ttl,
             shared=shared,
+            # A permit body: at most ``limit`` of its semaphore's overlap.
+            limit=SEMAPHORE_LIMIT if permit else None,
             **{"async": is_async},
         )
         return body
@@ -3148,6 +3747,285 @@ class _Worker:
 
         await sync_to_async(self.tx_with)(*self.tx_pick(rng), kind="async-tx")
 
+    # -- permits ------------------------------------------------------------------------------
+
+    def permit_ttl(self, rng: random.Random) -> float:
+        """The lease of a permit: mostly the run's, now and then LINGER_TTL."""
+        return LINGER_TTL if rng.random() < 0.2 else self.ttl
+
+    def sync_sem_with(self, rng: random.Random) -> None:
+        """A permit of the run's semaphore, through ``with Semaphore(...)`` or acquire()."""
+        from django_redis_mutex import Semaphore
+
+        spec, hold, ttl = self.semaphore, self.hold(rng), self.permit_ttl(rng)
+        sem = Semaphore(spec.name, SEMAPHORE_LIMIT, using=spec.usings[0], ttl=ttl)
+        with self.attempt(spec) as rec:
+            called = now_ns()
+            if rng.random() < 0.5:
+                with sem:
+                    rec.body = self.enter(spec, "sem-with", called, None, ttl=ttl, permit=True)
+                    try:
+                        time.sleep(hold)
+                    finally:
+                        self.leave(rec.body, sem.lost)
+                return
+            if not sem.acquire():
+                raise sem.contended()
+            rec.body = self.enter(spec, "sem-acquire", called, None, ttl=ttl, permit=True)
+            try:
+                time.sleep(hold)
+            finally:
+                self.leave(rec.body, sem.lost)
+            sem.release()
+
+    async def async_sem(self, rng: random.Random) -> None:
+        """A permit through ``async with semaphore(...)``."""
+        from django_redis_mutex import semaphore
+
+        spec, hold, ttl = self.semaphore, self.hold(rng), self.permit_ttl(rng)
+        context = semaphore(spec.name, SEMAPHORE_LIMIT, using=spec.usings[0], ttl=ttl)
+        with self.attempt(spec) as rec:
+            called = now_ns()
+            async with context as sem:
+                rec.body = self.enter(
+                    spec, "async-sem", called, None, is_async=True, ttl=ttl, permit=True
+                )
+                try:
+                    await asyncio.sleep(hold)
+                finally:
+                    self.leave(rec.body, sem.lost)
+
+    # -- cancellations ------------------------------------------------------------------------
+
+    async def async_cancel(self, rng: random.Random) -> None:
+        """Take a lock or a permit in a child task, and cancel the child at a random point.
+
+        The point is one of CANCEL_PHASES: waiting in line (a while after the
+        call), entering (a loop step or two after it: the first script in
+        flight), inside the body, or leaving it (the release in flight). Half
+        the time a second cancel follows a few loop steps later, as an AnyIO
+        cancel scope delivers one at every await. The child journals what
+        happened: a body it entered and left, with the outcome "cancelled" if
+        the cancel reached it there, or an acquisition refused as "cancelled".
+        Whatever it took must be given back: the orphan check looks.
+        """
+        from django_redis_mutex import Mutex, Semaphore, mutex
+
+        phase = rng.choice(CANCEL_PHASES)
+        again = rng.random() < 0.5
+        steps = rng.randint(1, 6)
+        hold = self.hold(rng) + 0.05
+        way = rng.choice(("with", "acquire"))
+        target = rng.random()
+        shared = False
+        handle: Any
+        if target < 0.3:
+            # Half with a long lease: a permit left to nobody stays long enough to be seen.
+            ttl = LINGER_TTL if rng.random() < 0.5 else self.ttl
+            spec, permit = self.semaphore, True
+            handle = Semaphore(spec.name, SEMAPHORE_LIMIT, using=spec.usings[0], ttl=ttl)
+        else:
+            spec, using = (self.linger, self.linger.usings[0]) if target < 0.55 else self.pick(rng)
+            ttl, permit = (LINGER_TTL if spec is self.linger else self.ttl), False
+            shared = self.share(rng, spec)
+            if way == "with":
+                handle = mutex(spec.name, using=using, shared=shared, ttl=ttl)
+            else:
+                handle = Mutex(spec.name, using=using, shared=shared, ttl=ttl)
+        await self.cancel_one(
+            spec,
+            handle,
+            way,
+            hold,
+            ttl,
+            shared,
+            permit,
+            phase,
+            again,
+            steps,
+            rng.uniform(0.02, 1.2),
+        )
+
+    async def cancel_one(
+        self,
+        spec: LockSpec,
+        handle: Any,
+        way: str,
+        hold: float,
+        ttl: float,
+        shared: bool,
+        permit: bool,
+        phase: str,
+        again: bool,
+        steps: int,
+        wait: float,
+    ) -> None:
+        """Run one child task taking ``handle`` and cancel it at ``phase`` (see async_cancel).
+
+        ``wait`` is how long a "waiting" child is let wait before the cancel.
+        """
+        rng = random.Random(f"{self.seed}:{spec.name}:{now_ns()}")
+        inside, leaving = asyncio.Event(), asyncio.Event()
+        rec = _Rec()
+        child = asyncio.create_task(
+            self.cancel_child(spec, handle, way, hold, ttl, shared, permit, rec, inside, leaving),
+            # A name of its own, stored in the owner record of whatever it takes, so
+            # the nemesis can tell a grant of a child that has ended (CHILD_SUFFIX).
+            name=f"{_owner()}-c{next(self._ids)}",
+        )
+        if phase == "waiting":
+            await asyncio.wait({child}, timeout=wait)
+        elif phase == "entering":
+            for _ in range(rng.randint(0, 3)):
+                await asyncio.sleep(0)
+        else:
+            event = inside if phase == "inside" else leaving
+            waiter = asyncio.ensure_future(event.wait())
+            await asyncio.wait({child, waiter}, return_when=asyncio.FIRST_COMPLETED)
+            waiter.cancel()
+            if phase == "inside" and not child.done():
+                await asyncio.wait({child}, timeout=rng.uniform(0, hold))
+            for _ in range(rng.randint(0, 2)):
+                await asyncio.sleep(0)
+        cancels = 0
+        if not child.done():
+            child.cancel()
+            cancels = 1
+            self.journal.write("cancel", b=rec.body, phase=phase, n=1, child=child.get_name())
+            if again:
+                for _ in range(steps):
+                    await asyncio.sleep(0)
+                if not child.done():
+                    child.cancel()
+                    cancels = 2
+                    self.journal.write(
+                        "cancel", b=rec.body, phase=phase, n=2, child=child.get_name()
+                    )
+        done, _ = await asyncio.wait({child}, timeout=self.timeout + 3 * ttl + 15)
+        if not done:
+            self.journal.write(
+                "unexpected",
+                owner=_owner(),
+                error=f"a cancelled child task ({phase}, {cancels} cancel(s)) never ended",
+            )
+            return
+        # From now on nothing may stay held in the child's name (the orphan rule).
+        self.journal.write(
+            "child-end",
+            child=child.get_name(),
+            b=rec.body,
+            phase=phase,
+            cancels=cancels,
+            space=spec.space,
+            name=spec.name,
+            ttl=ttl,
+        )
+        if not child.cancelled():
+            child.result()  # its own errors were journalled by attempt(); a bug would be here
+
+    async def cancel_child(
+        self,
+        spec: LockSpec,
+        handle: Any,
+        way: str,
+        hold: float,
+        ttl: float,
+        shared: bool,
+        permit: bool,
+        rec: _Rec,
+        inside: asyncio.Event,
+        leaving: asyncio.Event,
+    ) -> None:
+        """The child of :meth:`async_cancel`: one body, journalled whatever cancels it."""
+        kind = ("async-sem" if permit else "async") + f"-cancel-{way}"
+        try:
+            with self.attempt(spec, rec):
+                called = now_ns()
+                if way == "with":
+                    async with handle as held:
+                        fence = None if permit else held.fence
+                        rec.body = self.enter(
+                            spec,
+                            kind,
+                            called,
+                            fence,
+                            is_async=True,
+                            ttl=ttl,
+                            shared=shared,
+                            permit=permit,
+                        )
+                        inside.set()
+                        try:
+                            await asyncio.sleep(hold)
+                        finally:
+                            leaving.set()
+                            self.leave(rec.body, held.lost)
+                    return
+                if not await handle.aacquire():
+                    raise handle.contended()
+                try:
+                    fence = None if permit else handle.fence
+                    rec.body = self.enter(
+                        spec,
+                        kind,
+                        called,
+                        fence,
+                        is_async=True,
+                        ttl=ttl,
+                        shared=shared,
+                        permit=permit,
+                    )
+                    inside.set()
+                    try:
+                        await asyncio.sleep(hold)
+                    finally:
+                        leaving.set()
+                        self.leave(rec.body, handle.lost)
+                finally:
+                    # As callers write it: a cancel inside the body still releases.
+                    await handle.arelease()
+        except asyncio.CancelledError:
+            if rec.body is None:
+                self.journal.write(
+                    "refused", space=spec.space, name=spec.name, why="cancelled", detail=""
+                )
+            else:
+                self.journal.write("outcome", b=rec.body, result="cancelled", detail="")
+            raise
+
+    async def cancel_in_sleep(self, delay: float) -> None:
+        """Take the linger lock and a long permit just as Redis falls asleep, and cancel both.
+
+        The nemesis starts a DEBUG SLEEP longer than twice the socket timeout
+        ``delay`` seconds from now: each acquisition's script is then in
+        flight when the cancel lands, its reply times out, and so does the
+        give-back that follows (Redis is still asleep), while Redis, once
+        awake, runs the acquisition it had read. What it granted must still be
+        given back; the orphan rule checks it (see _Checker.check_children).
+        """
+        from django_redis_mutex import Semaphore, mutex
+
+        await asyncio.sleep(delay)
+        lock, sem = self.linger, self.semaphore
+        try:
+            await asyncio.gather(
+                self.cancel_one(
+                    lock, mutex(lock.name, using=lock.usings[0], ttl=LINGER_TTL), "with",
+                    0.05, LINGER_TTL, False, False, "waiting", True, 2, 0.1,
+                ),
+                self.cancel_one(
+                    sem, Semaphore(sem.name, SEMAPHORE_LIMIT, using=sem.usings[0], ttl=LINGER_TTL),
+                    "acquire", 0.05, LINGER_TTL, False, True, "waiting", False, 1, 0.15,
+                ),
+            )  # fmt: skip
+        except Exception as exc:
+            self.journal.write(
+                "unexpected",
+                owner=_owner(),
+                error=f"cancel-in-sleep: {exc!r}",
+                trace=traceback.format_exc()[-3000:],
+            )
+
     # -- commands from the nemesis ------------------------------------------------------------
 
     def on_control(self) -> None:
@@ -3174,6 +4052,10 @@ class _Worker:
                 self.start_scenario(self.side_hold, command)
             elif kind == "nested-reset":
                 self.start_scenario(self.nested_reset, command)
+            elif kind == "cancel-in-sleep":
+                self._background.add(
+                    asyncio.ensure_future(self.cancel_in_sleep(float(command["delay"])))
+                )
 
     def stall(
         self,
@@ -3251,12 +4133,19 @@ class _Worker:
             # and queues it behind H well within this.
             time.sleep(0.3)
             stalled = threading.Event()
-            loop.call_soon_threadsafe(self.stall, seconds, command.get("fault"), sc, stalled)
-            stalled.wait(10)
-            stall_began = now_ns()
+
+            def stall() -> None:
+                loop.call_soon_threadsafe(self.stall, seconds, command.get("fault"), sc, stalled)
+                stalled.wait(10)
+
+            # "mid": the stall begins as the release hands the lock over (just
+            # before or after it), so it may fall between W's wake-up and its entry.
+            after = variant == "mid" and random.random() < 0.7
+            if not after:
+                stall()
             competitor = threading.Thread(
                 target=self.handoff_competitor,
-                args=(spec, using, ttl, sc, stall_began + int((seconds + 1.0) * NS)),
+                args=(spec, using, ttl, sc, now_ns() + int((seconds + 1.2) * NS)),
                 name="handoff-competitor",
             )
             competitor.start()
@@ -3265,6 +4154,8 @@ class _Worker:
             self.journal.write("scenario", sc=sc, role="release")
             try:
                 holder.release()
+                if after:
+                    stall()
             finally:
                 competitor.join(seconds + 3 * ttl + 20)
                 with contextlib.suppress(Exception):
@@ -3420,6 +4311,15 @@ class _Worker:
         for thread in threads:
             thread.start()
         asyncio.run(self.amain(threads))
+        # Every body is over, but the process (its watchdog, its background
+        # give-backs) lives on until the nemesis has looked for locks and
+        # permits held with no body inside: the orphan check's first look.
+        self.journal.write("idle")
+        (self.workdir / f"idle-{self.slot}-{self.incarnation}").touch()
+        quit_file = self.workdir / "quit"
+        deadline = time.monotonic() + 120
+        while not quit_file.exists() and time.monotonic() < deadline:
+            time.sleep(0.02)
         self.journal.write("done")
         return 0
 

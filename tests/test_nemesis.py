@@ -21,10 +21,12 @@ import pytest
 
 from .databases import PostgresServer
 from .nemesis import (
+    HANDOFF_VARIANTS,
     NS,
     TOPOLOGIES,
     DataState,
     FaultRecord,
+    HeldSample,
     Increment,
     RunInfo,
     Tuning,
@@ -48,6 +50,9 @@ class Journal:
     def __init__(self) -> None:
         self.events: list[dict[str, Any]] = []
         self.faults: list[FaultRecord] = []
+        self.held_after: list[HeldSample] = []
+        self.held_during: list[HeldSample] = []
+        self.orphan_phases: dict[str, int] = {}
         self._bodies = 0
 
     def body(
@@ -67,6 +72,7 @@ class Journal:
         scenario: str | None = None,
         joined: bool = False,
         shared: bool = False,
+        limit: int | None = None,
     ) -> str:
         self._bodies += 1
         body = f"{pid}-{self._bodies}"
@@ -87,6 +93,7 @@ class Journal:
                 "scenario": scenario,
                 "async": is_async,
                 "shared": shared,
+                "limit": limit,
             }
         )
         if leave is not None:
@@ -151,6 +158,28 @@ class Journal:
             state.writes[lock], state.counters[lock] = seq, reads[body] + 1
         return state
 
+    def held(
+        self, phase: str, when: float, name: str = "hot", *, pid: int = 1, lease: float = 1.5
+    ) -> None:
+        """The orphan check saw lock ``name`` held by ``pid`` at ``when``, in ``phase``."""
+        self.held_after.append(
+            HeldSample(
+                phase, at(when), "lock", "single", name, "fence 10", pid,
+                f"host (pid {pid}, thread task0-child)", 1.0, lease, "task0-child",
+            )
+        )  # fmt: skip
+
+    def child(self, pid: int, child: str, ended: float, *seen: float) -> None:
+        """A cancelled child task ended at ``ended``; its permit was seen held at ``seen``."""
+        self.event("child-end", pid, ended, child=child, b=None, phase="waiting", cancels=2)
+        for when in seen:
+            self.held_during.append(
+                HeldSample(
+                    "run", at(when), "permit", "single", "sem", "token t1", pid,
+                    f"host (pid {pid}, thread {child})", 1.0, 6.0, child,
+                )
+            )  # fmt: skip
+
     def check(
         self, *, done: tuple[int, ...] | None = None, data: DataState | None = None
     ) -> Verdict:
@@ -159,7 +188,18 @@ class Journal:
         events = self.events + [
             {"e": "done", "pid": pid, "t": at(60_000)} for pid in sorted(pids - killed)
         ]
-        info = RunInfo("single", 0, TUNING, T0, at(60_000), faults=self.faults, data=data)
+        info = RunInfo(
+            "single",
+            0,
+            TUNING,
+            T0,
+            at(60_000),
+            faults=self.faults,
+            data=data,
+            held_after=self.held_after,
+            orphan_phases=self.orphan_phases,
+            held_during=self.held_during,
+        )
         return check(events, info)
 
 
@@ -581,6 +621,208 @@ def test_a_loss_known_as_a_kept_lock_exits_its_block_must_raise_there() -> None:
     assert "fence 10" in verdict.violations[0].text
 
 
+# -- Redis stalls, cancellations ------------------------------------------------------------------
+
+
+def test_a_redis_sleep_past_a_third_of_the_lease_explains_losses_of_its_own_locks() -> None:
+    journal = Journal()
+    journal.body(1, 10, 0, 3000, result="told")
+    journal.body(2, 11, 2000, 2100)
+    journal.body(1, 20, 0, 3000, result="told", space="side", name="side:0")
+    journal.body(2, 21, 2000, 2100, space="side", name="side:0")
+    journal.fault("sleep-redis", 500, 1800, server="r0", seconds=1.3)
+
+    verdict = journal.check()
+
+    assert kinds(verdict) == ["overlap: lease lost without a fault to explain it"]
+    assert "side:0" in verdict.violations[0].text
+    assert "sleep-redis" in verdict.excused[0]
+
+
+def test_a_cancelled_body_is_unconfirmed_and_overlaps_only_with_a_fault() -> None:
+    # Cancelled inside its body: its exit raised CancelledError, so it never
+    # learned whether it kept the lock; an overlap still needs a fault.
+    journal = Journal()
+    journal.body(1, 10, 0, 3000, result="cancelled", is_async=True)
+    journal.body(2, 11, 2000, 2100)
+    journal.body(1, 20, 0, 3000, result="cancelled", is_async=True, name="a")
+    journal.body(2, 21, 2000, 2100, name="a")
+    journal.fault("reset", 1000, 1010, space="single", name="a", held=True)
+
+    verdict = journal.check()
+
+    assert kinds(verdict) == ["overlap: lease lost without a fault to explain it"]
+    assert "single:hot" in verdict.violations[0].text
+    assert "unconfirmed (cancelled)" in verdict.violations[0].text
+    assert verdict.stats["excused"] == {"unconfirmed": 1}
+
+
+def test_cancels_are_counted_by_where_they_found_the_child() -> None:
+    journal = Journal()
+    inside = journal.body(1, 10, 0, 100, result="cancelled", is_async=True)
+    leaving = journal.body(1, 11, 200, 300, result="cancelled", is_async=True)
+    journal.event("cancel", 1, 50, b=inside, phase="inside", n=1)
+    journal.event("cancel", 1, 51, b=inside, phase="inside", n=2)
+    journal.event("cancel", 1, 301, b=leaving, phase="leaving", n=1)
+    journal.event("cancel", 1, 400, b=None, phase="waiting", n=1)
+    journal.event("refused", 1, 401, space="single", name="hot", why="cancelled")
+
+    verdict = journal.check()
+
+    assert verdict.violations == []
+    assert verdict.stats["cancelled"] == {"inside": 1, "releasing": 1, "acquiring": 1}
+    assert verdict.stats["repeated cancels"] == 1
+    assert verdict.stats["refused"] == {"cancelled": 1}
+
+
+# -- semaphores -----------------------------------------------------------------------------------
+
+
+def test_as_many_permit_bodies_as_the_limit_may_overlap() -> None:
+    journal = Journal()
+    journal.body(1, -1, 0, 1000, name="sem", kind="sem-with", limit=2)
+    journal.body(2, -1, 500, 1500, name="sem", kind="async-sem", limit=2, is_async=True)
+    journal.body(3, -1, 1000, 2000, name="sem", kind="sem-with", limit=2)
+
+    verdict = journal.check()
+
+    assert verdict.violations == []
+    assert verdict.stats["permit overlaps"] == 2
+    assert "fences unique" not in verdict.stats  # a permit has no fence to check
+
+
+def test_more_permit_bodies_than_the_limit_with_no_fault_are_a_violation() -> None:
+    journal = Journal()
+    journal.body(1, -1, 0, 1000, name="sem", kind="sem-with", limit=2)
+    journal.body(2, -1, 100, 1000, name="sem", kind="sem-with", limit=2, result="told")
+    journal.body(3, -1, 500, 600, name="sem", kind="async-sem", limit=2, is_async=True)
+
+    verdict = journal.check()
+
+    assert kinds(verdict) == ["permits: more holders than the limit"]
+    assert "3 permit bodies at once" in verdict.violations[0].text
+    assert "nothing in the run could have cost" in verdict.violations[0].text
+
+
+def test_a_permit_over_the_limit_is_excused_by_a_told_holder_paused_past_its_lease() -> None:
+    journal = Journal()
+    journal.body(1, -1, 0, 3000, name="sem", kind="sem-with", limit=2, result="told")
+    journal.body(2, -1, 100, 3000, name="sem", kind="sem-with", limit=2)
+    journal.body(3, -1, 2500, 2600, name="sem", kind="sem-with", limit=2)
+    journal.fault("pause-worker", 200, 2400, pid=1, slot=1)
+
+    verdict = journal.check()
+
+    assert verdict.violations == []
+    assert verdict.stats["excused"] == {"permit told": 1}
+    assert "SIGSTOP of pid 1" in verdict.excused[0]
+
+
+# -- the mid hand-off stall -----------------------------------------------------------------------
+
+
+def test_a_waiter_stalled_just_after_its_hand_over_must_not_enter_on_the_lapsed_lease() -> None:
+    # "mid": H releases at 300 (the hand-over to W), the loop stalls from 305
+    # for longer than the hand-over lease but less than the TTL; C takes the
+    # lapsed lock, W enters beside it once its loop runs again.
+    journal = Journal()
+    journal.event("scenario", 1, -200, sc="s", role="start", variant="mid")
+    journal.body(1, 10, -100, 290, kind="handoff-holder", scenario="s")
+    journal.event("scenario", 1, 300, sc="s", role="release")
+    journal.event("stall", 1, 5100, t0=at(305), t1=at(5100), scenario="s")
+    journal.body(1, 12, 4400, 6500, kind="handoff-competitor", scenario="s")
+    journal.body(
+        1, 11, 5105, 5160, kind="handoff-waiter", called=0, is_async=True, scenario="s",
+        result="told",
+    )  # fmt: skip
+
+    verdict = journal.check()
+
+    assert kinds(verdict) == ["overlap: entered on a lapsed hand-off"]
+    assert verdict.stats["handoff scenarios judged"] == 1
+
+
+# -- orphans --------------------------------------------------------------------------------------
+
+
+def test_a_lock_still_held_a_second_after_every_worker_went_idle_is_an_orphan() -> None:
+    journal = Journal()
+    journal.body(1, 10, 0, 100, result="cancelled", is_async=True)
+    journal.events[-3]["owner"] = "task0-child"  # the owner record's task
+    journal.orphan_phases = {"idle": at(30_000), "exited": at(32_000)}
+    for when in (30_000, 30_500, 31_100):
+        journal.held("idle", when)
+
+    verdict = journal.check()
+
+    assert kinds(verdict) == ["orphan: lock outlived its owner"]
+    text = verdict.violations[0].text
+    assert "single:hot (fence 10) still held 1.100s after every worker had run its last body" in (
+        text
+    )
+    assert "owner record: host (pid 1, thread task0-child)" in text
+    assert "its process was not killed" in text
+    assert "fence 10" in text and "unconfirmed (cancelled)" in text  # its last body
+
+
+def test_a_lock_given_back_within_the_grace_is_no_orphan() -> None:
+    journal = Journal()
+    journal.orphan_phases = {"idle": at(30_000), "exited": at(32_000)}
+    journal.held("idle", 30_000)
+    journal.held("idle", 30_900)
+    journal.held("exited", 32_950)
+
+    verdict = journal.check()
+
+    assert verdict.violations == []
+    assert verdict.stats["orphan check"] == 1
+    assert verdict.stats["held after the run, explained"] == 2
+
+
+def test_a_killed_owners_lock_may_outlive_it_by_a_wait_lease_and_its_lease_not_more() -> None:
+    journal = Journal()
+    journal.fault("kill-worker", 30_000, pid=1, slot=1)
+    journal.fault("kill-worker", 25_000, pid=2, slot=2)
+    journal.orphan_phases = {"idle": at(30_000), "exited": at(32_000)}
+    # Past the grace (33 s); killed at 30 s, a wait lease and a lease explain it to 33.5 s.
+    journal.held("exited", 33_400, pid=1, lease=1.5)
+    journal.held("exited", 33_400, name="a", pid=2, lease=1.5)  # killed at 25 s: not
+
+    verdict = journal.check()
+
+    assert kinds(verdict) == ["orphan: lock outlived its owner"]
+    assert "single:a" in verdict.violations[0].text
+    assert "killed at +25.000s" in verdict.violations[0].text
+
+
+def test_a_permit_held_in_the_name_of_a_cancelled_child_that_ended_is_an_orphan() -> None:
+    journal = Journal()
+    journal.event("start", 1, -1000, slot=1)
+    journal.child(1, "task0-c7", 1000, 500, 2500, 3100)  # the 500 ms sample: still running
+
+    verdict = journal.check()
+
+    assert kinds(verdict) == ["orphan: permit outlived its owner"]
+    text = verdict.violations[0].text
+    assert "permit single:sem (token t1) still held at +3.100s, 2.100s after its owner" in text
+    assert "cancelled 2 time(s) (waiting)" in text
+    assert "owner record: host (pid 1, thread task0-c7)" in text
+
+
+def test_a_child_grant_may_outlast_a_redis_sleep_that_kept_its_give_back_away() -> None:
+    journal = Journal()
+    journal.event("start", 1, -1000, slot=1)
+    journal.fault("sleep-redis", 500, 2800, server="r0", seconds=2.3)
+    journal.child(1, "task0-c7", 1000, 4700)  # within 2 s of the sleep's end
+    journal.child(1, "task0-c9", 1200, 5000)  # past it
+
+    verdict = journal.check()
+
+    assert kinds(verdict) == ["orphan: permit outlived its owner"]
+    assert "task0-c9" in verdict.violations[0].text
+    assert verdict.stats["held by an ended child, seen"] == 2
+
+
 # -- the plan -------------------------------------------------------------------------------------
 
 
@@ -592,8 +834,11 @@ def test_a_seed_plans_the_same_faults_every_time_and_every_scenario_fits() -> No
         assert plan != make_plan(8, topology, 25.0, TUNING)
         assert all(fault.at >= 2.5 and fault.at + fault.seconds <= 24.0 for fault in plan)
         variants = {fault.variant for fault in plan if fault.kind == "handoff-stall"}
-        assert variants == {"short", "long"}
+        assert variants == set(HANDOFF_VARIANTS)
         assert any(fault.kind == "restart-redis" for fault in plan)
+        sleeps = [fault for fault in plan if fault.kind == "sleep-redis"]
+        assert sleeps
+        assert all(fault.seconds > TUNING.socket_timeout for fault in sleeps)
         assert any(fault.kind == "nested-reset" for fault in plan)
         if topology == "quorum":
             assert any(fault.kind == "side-hold" for fault in plan)
@@ -634,5 +879,22 @@ def test_locks_keep_their_promises_under_a_random_fault_schedule(
     faults = report.faults_by_kind()
     assert faults["handoff-stall"] >= 1, context
     assert faults["nested-reset"] >= 1, context
+    # Redis slept past the socket timeout, and a waiter's loop stalled between
+    # its hand-over lease and its TTL.
+    assert faults["sleep-redis"] >= 1, context
+    variants = {r.note for r in report.info.faults if r.kind == "handoff-stall"}
+    assert "mid" in variants, context
+    # Tasks were cancelled while acquiring, inside and releasing, some twice.
+    cancelled = stats.get("cancelled", {})
+    assert all(cancelled.get(where, 0) > 0 for where in ("acquiring", "inside", "releasing")), (
+        context
+    )
+    assert stats.get("repeated cancels", 0) > 0, context
+    # Permits were taken, beside one another, and checked against the limit.
+    assert stats.get("permit bodies", 0) >= 20, context
+    assert stats.get("permit overlaps", 0) > 0, context
+    # The orphan check looked while the workers were idle and after they exited.
+    assert stats.get("orphan check") == 1, context
+    assert set(report.info.orphan_phases) == {"idle", "exited"}, context
     if topology == "quorum":
         assert faults["side-hold"] >= 1, context
