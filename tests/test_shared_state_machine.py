@@ -287,6 +287,9 @@ class SharedLockModel(RuleBasedStateMachine):
             )
             if isinstance(reply, list) and reply[0] == 0:
                 return reply, _woken(reply[3])
+            if isinstance(reply, list) and len(reply) > 4:
+                # Granted, with the shared waiters first in line admitted beside it.
+                return reply, _woken(reply[4])
             return reply, set()
 
         def granted(reply: Any) -> bool:
