@@ -70,6 +70,7 @@ from hypothesis.stateful import (
 )
 
 from django_redis_mutex import LockContended, LockLost, LockNotOwned, Mutex, mutex, reset
+from django_redis_mutex.watchdog import get_watchdog
 
 # Logical lock names; each example maps them to names of its own, so examples
 # never see each other's keys (or a waiter slot an earlier example left).
@@ -1283,6 +1284,13 @@ class HandleModel(RuleBasedStateMachine):
             actor.stop()
         for key in NAMES:
             reset(self.names[key])
+        # Holds the example's resets took away are found lost by the watchdog
+        # only at their next renewal: stop renewing them now.
+        watchdog = get_watchdog()
+        ours = set(self.names.values())
+        for hold in watchdog.watched():
+            if hold.name in ours:
+                watchdog.unwatch(hold)
 
 
 # Bounded so the test runs well within a minute; no example database, so a
