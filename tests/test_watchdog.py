@@ -58,13 +58,13 @@ def test_extend_racing_a_renewal_keeps_the_longer_lease():
 
 def test_clean_exit_never_reports_lost_when_release_races_a_renewal():
     # Holds end anywhere from before the first renewal (a third into the
-    # 60 ms lease) to well after it, so releases meet renewals in flight.
-    # The lease is long enough that only a stall of the whole process could
-    # let it lapse for real.
+    # 150 ms lease) to well after it, so releases meet renewals in flight.
+    # The lease is long enough that only a stall of the whole process (150 ms,
+    # on a loaded machine) could let it lapse for real.
     # A block's exit raises LockLost if it took a race for a loss.
-    for i in range(300):
-        with mutex(f"race-{i % 5}", ttl=0.06) as lock:
-            time.sleep(random.uniform(0, 0.04))
+    for i in range(200):
+        with mutex(f"race-{i % 5}", ttl=0.15) as lock:
+            time.sleep(random.uniform(0, 0.1))
         assert not lock.lost
 
 
