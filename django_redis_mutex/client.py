@@ -76,6 +76,9 @@ _async_clients: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, dict[str, A
     weakref.WeakKeyDictionary()
 )
 _namespaces: dict[str, str] = {}
+# Counts the times CACHES changed (clear_clients): a client built across a
+# change is not cached.
+_generation = 0
 _derived_clients: dict[tuple[str, str, float | None], Any] = {}
 # Aliases whose Redis could not be asked for its eviction policy at first use,
 # with the monotonic time to ask again (see _vet).
@@ -245,11 +248,17 @@ def get_client(alias: str) -> Any:
                     _sync_clients.pop(alias, None)
                 raise
         return client
+    generation = _generation
     client = _new_client(alias)
     _vet(alias, client)
     with _lock:
+        if generation != _generation:
+            # CACHES changed while this client was built (another thread's
+            # override_settings): it may point at the old server. Use it for
+            # this call only; never keep it for the callers after the change.
+            return client
         _sync_clients.setdefault(alias, client)
-    return _sync_clients[alias]
+        return _sync_clients[alias]
 
 
 def _new_client(alias: str) -> Any:
@@ -325,10 +334,13 @@ def _derive(alias: str, kind: str, timeout: float | None, **overrides: Any) -> A
     client = _derived_clients.get(key)
     if client is not None:
         return client
+    generation = _generation
     client = _copy_with(alias, get_client(alias), **overrides)
     with _lock:
+        if generation != _generation:
+            return client  # built from settings that changed meanwhile (see get_client)
         _derived_clients.setdefault(key, client)
-    return _derived_clients[key]
+        return _derived_clients[key]
 
 
 def _copy_with(alias: str, base: Any, **overrides: Any) -> Any:
@@ -586,6 +598,7 @@ def namespace(alias: str) -> str:
     """
     ns = _namespaces.get(alias)
     if ns is None:
+        generation = _generation
         _check_backend(alias)
         prefix = get_settings(alias).prefix
         key_prefix = cache_entry(alias).get("KEY_PREFIX", "") or ""
@@ -597,7 +610,9 @@ def namespace(alias: str) -> str:
                 "the Redis Cluster hash tag of every lock key."
             )
         ns = f"{key_prefix}:{prefix}" if key_prefix else prefix
-        _namespaces[alias] = ns
+        with _lock:
+            if generation == _generation:  # else read across a change of CACHES
+                _namespaces[alias] = ns
     return ns
 
 
@@ -618,7 +633,9 @@ def reset_after_fork() -> None:
 
 def clear_clients() -> None:
     """Forget cached clients and namespaces (after CACHES changed, or in a forked child)."""
+    global _generation
     with _lock:
+        _generation += 1
         _sync_clients.clear()
         _derived_clients.clear()
         _namespaces.clear()
@@ -631,6 +648,14 @@ def clear_clients() -> None:
 def _clear_on_caches_change(*, setting: str, **kwargs: Any) -> None:
     # Clients and namespaces are built from CACHES (override_settings in tests).
     if setting == "CACHES":
+        # Django's cache handler and the MUTEX settings are reset by receivers
+        # of their own, which may run after this one: until then a client or
+        # namespace built in another thread would come from the old settings.
+        # Reset them first, so whatever is built after the clear is current.
+        from django.test.signals import clear_cache_handlers
+
+        clear_cache_handlers(setting=setting)
+        get_settings.cache_clear()  # the same for the MUTEX settings (conf.py)
         clear_clients()
 
 

@@ -578,3 +578,34 @@ def test_a_waiter_whose_connection_was_killed_is_not_handed_the_lock_for_its_lea
         holder.release()
         assert _acquired_by_another(kind) < 2.0
         killer.close()
+
+
+def test_a_client_built_while_caches_change_is_never_kept_for_the_new_settings(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # A background thread (the watchdog, a give-back) builds a client from the
+    # old settings; CACHES changes before it is stored. Stored, it would send
+    # every later caller's locks to the old server.
+    from django_redis_mutex import client as clients
+
+    old_port, new_port = free_port(), free_port()
+    built, go_on = threading.Event(), threading.Event()
+    real_new_client = clients._new_client
+
+    def slow_new_client(alias: str) -> Any:
+        made = real_new_client(alias)
+        if threading.current_thread() is not threading.main_thread():
+            built.set()
+            assert go_on.wait(10)
+        return made
+
+    monkeypatch.setattr(clients, "_new_client", slow_new_client)
+    with override_settings(CACHES=caches_for(f"redis://127.0.0.1:{old_port}/0")):
+        background = threading.Thread(target=clients.get_client, args=("default",))
+        background.start()
+        assert built.wait(10)
+        with override_settings(CACHES=caches_for(f"redis://127.0.0.1:{new_port}/0")):
+            go_on.set()
+            background.join(10)
+            port = clients.get_client("default").connection_pool.connection_kwargs["port"]
+    assert port == new_port
