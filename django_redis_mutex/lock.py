@@ -1327,7 +1327,10 @@ def _wait_slice(
     if deadline is not None:
         wait = min(wait, deadline - now)
     local = False
-    if pttl > 0:
+    # PTTL answers 0 for a key with less than a millisecond left: that holder
+    # expires now, not "no expiry known" (-1, -2), which would make the waiter
+    # sit out a whole check-in interval after the lock came free.
+    if pttl >= 0:
         expiry = pttl / 1000 + _EXPIRY_MARGIN
         if expiry <= REDIS_TICK:
             wait, local = min(wait, expiry), True

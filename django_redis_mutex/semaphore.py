@@ -370,7 +370,7 @@ class Semaphore:
                 return None
             now = time.monotonic()
             wait = longest
-            if first_ends > 0:
+            if first_ends >= 0:  # 0: the first lease ends within the millisecond
                 wait = min(wait, first_ends / 1000 + _EXPIRY_MARGIN)
             if deadline is not None:
                 if now >= deadline:

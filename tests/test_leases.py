@@ -19,9 +19,12 @@ from typing import Any
 import pytest
 from django.conf import settings
 from django.test import override_settings
+from hypothesis import given
+from hypothesis import strategies as st
 
 from django_redis_mutex import LockBackendUnavailable, LockLost, Mutex, mutex, signals
 from django_redis_mutex.client import get_client
+from django_redis_mutex.lock import _EXPIRY_MARGIN, _wait_slice
 from django_redis_mutex.testing import RedisServer
 
 from .helpers import cache_options, wait_until
@@ -32,6 +35,26 @@ ALIASES = ["v1", "v2", "v3"]
 
 def _queue_length(name: str) -> int:
     return int(get_client("default").zcard(Mutex(name).keys.queue))
+
+
+@given(
+    pttl=st.integers(min_value=0, max_value=120_000),
+    longest=st.floats(min_value=0.01, max_value=5.0),
+    deadline_in=st.none() | st.floats(min_value=0.0, max_value=100.0),
+)
+def test_a_wait_never_outlasts_the_holders_lease(
+    pttl: int, longest: float, deadline_in: float | None
+) -> None:
+    # Whatever the holder has left (0 included: under a millisecond), a waiter
+    # checks in again by the time it expires, never a whole interval later.
+    now = 1000.0
+    deadline = None if deadline_in is None else now + deadline_in
+    wait, _local = _wait_slice(deadline, pttl, now, longest)
+    slack = 1e-9  # float rounding of the deadline
+    assert wait <= max(pttl / 1000 + _EXPIRY_MARGIN, 0.001) + slack
+    assert wait <= max(longest, 0.001) + slack
+    if deadline_in is not None:
+        assert wait <= max(deadline_in, 0.001) + slack
 
 
 def test_a_waiter_whose_loop_stalls_through_its_hand_over_lease_asks_redis_before_entering() -> (
