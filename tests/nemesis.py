@@ -3938,49 +3938,30 @@ class _Worker:
     ) -> None:
         """The child of :meth:`async_cancel`: one body, journalled whatever cancels it."""
         kind = ("async-sem" if permit else "async") + f"-cancel-{way}"
+
+        async def body(held: Any, called: int) -> None:
+            fence = None if permit else held.fence
+            rec.body = self.enter(
+                spec, kind, called, fence, is_async=True, ttl=ttl, shared=shared, permit=permit
+            )
+            inside.set()
+            try:
+                await asyncio.sleep(hold)
+            finally:
+                leaving.set()
+                self.leave(rec.body, held.lost)
+
         try:
             with self.attempt(spec, rec):
                 called = now_ns()
                 if way == "with":
                     async with handle as held:
-                        fence = None if permit else held.fence
-                        rec.body = self.enter(
-                            spec,
-                            kind,
-                            called,
-                            fence,
-                            is_async=True,
-                            ttl=ttl,
-                            shared=shared,
-                            permit=permit,
-                        )
-                        inside.set()
-                        try:
-                            await asyncio.sleep(hold)
-                        finally:
-                            leaving.set()
-                            self.leave(rec.body, held.lost)
+                        await body(held, called)
                     return
                 if not await handle.aacquire():
                     raise handle.contended()
                 try:
-                    fence = None if permit else handle.fence
-                    rec.body = self.enter(
-                        spec,
-                        kind,
-                        called,
-                        fence,
-                        is_async=True,
-                        ttl=ttl,
-                        shared=shared,
-                        permit=permit,
-                    )
-                    inside.set()
-                    try:
-                        await asyncio.sleep(hold)
-                    finally:
-                        leaving.set()
-                        self.leave(rec.body, handle.lost)
+                    await body(handle, called)
                 finally:
                     # As callers write it: a cancel inside the body still releases.
                     await handle.arelease()
