@@ -159,6 +159,8 @@ class EnteredHandles(Generic[H]):
 class MutexContext:
     """What :func:`mutex` returns; see there."""
 
+    _factory = "mutex()"  # names the factory in error messages
+
     def __init__(self, name: str | Callable[..., str], **options: Any) -> None:
         if callable(name):
             self._name_template: str | None = None
@@ -194,13 +196,17 @@ class MutexContext:
     def _literal_name(self) -> str:
         if self._name_template is None:
             raise TypeError(
-                "A callable lock name is only filled when mutex() decorates a function; "
-                "in a with block pass the name itself."
+                f"A callable lock name is only filled when {self._factory} decorates a "
+                "function; in a with block pass the name itself."
             )
         return self._name_template
 
+    def _handle(self, name: str) -> Mutex:
+        """Return a new handle on ``name`` with this context's options."""
+        return Mutex(name, **self._options)
+
     def __enter__(self) -> Mutex:
-        lock = Mutex(self._literal_name(), **self._options)
+        lock = self._handle(self._literal_name())
         lock.__enter__()
         self._entered.push(lock)
         return lock
@@ -209,7 +215,7 @@ class MutexContext:
         return self._entered.pop().__exit__(exc_type, exc, tb)
 
     async def __aenter__(self) -> Mutex:
-        lock = Mutex(self._literal_name(), **self._options)
+        lock = self._handle(self._literal_name())
         await lock.__aenter__()
         self._entered.push(lock)
         return lock
@@ -271,10 +277,9 @@ class MutexContext:
         return validate_name(name)
 
     def __call__(self, func: F) -> F:
-        _refuse_task_object(func, "mutex()")
+        _refuse_task_object(func, self._factory)
         if not callable(func):
-            raise TypeError(f"mutex() decorates a callable, not {type(func).__name__}.")
-        options = self._options
+            raise TypeError(f"{self._factory} decorates a callable, not {type(func).__name__}.")
         # A generator's body runs while it is iterated, not when it is called:
         # hold the lock for the whole iteration.
         if inspect.isasyncgenfunction(func):
@@ -286,7 +291,7 @@ class MutexContext:
                     async for item in func(*args, **kwargs):
                         yield item
                     return
-                async with Mutex(name, **options):
+                async with self._handle(name):
                     async for item in func(*args, **kwargs):
                         yield item
 
@@ -298,7 +303,7 @@ class MutexContext:
                 name = self.name_for(func, args, kwargs)
                 if not name:
                     return (yield from func(*args, **kwargs))
-                with Mutex(name, **options):
+                with self._handle(name):
                     return (yield from func(*args, **kwargs))
 
             return cast(F, _same_signature(gen_inner, func))
@@ -309,7 +314,7 @@ class MutexContext:
                 name = self.name_for(func, args, kwargs)
                 if not name:
                     return await func(*args, **kwargs)
-                async with Mutex(name, **options):
+                async with self._handle(name):
                     return await func(*args, **kwargs)
 
             return cast(F, _same_signature(async_inner, func))
@@ -323,7 +328,7 @@ class MutexContext:
             name = self.name_for(func, args, kwargs)
             if not name:
                 return func(*args, **kwargs)
-            with Mutex(name, **options), transactions.opened(args):
+            with self._handle(name), transactions.opened(args):
                 return func(*args, **kwargs)
 
         transactions.mark(inner)
@@ -430,7 +435,6 @@ def skip_if_locked(
                 "skip_if_locked() decorates a function that returns, not a generator: "
                 "a skipped generator would look like an empty one. Use mutex()."
             )
-        options = context._options
         if inspect.iscoroutinefunction(func):
 
             @functools.wraps(func)
@@ -440,7 +444,7 @@ def skip_if_locked(
                     return await func(*args, **kwargs)
                 async with contextlib.AsyncExitStack() as stack:
                     try:
-                        await stack.enter_async_context(Mutex(name, **options))
+                        await stack.enter_async_context(context._handle(name))
                     except LockContended as busy:
                         skipped(func, busy)
                         return None
@@ -458,7 +462,7 @@ def skip_if_locked(
             with contextlib.ExitStack() as stack:
                 # Only the acquisition's own LockContended means "skip".
                 try:
-                    stack.enter_context(Mutex(name, **options))
+                    stack.enter_context(context._handle(name))
                 except LockContended as busy:
                     skipped(func, busy)
                     return None

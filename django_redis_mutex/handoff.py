@@ -53,11 +53,14 @@ def _woken(alias: str, keys: LockKeys, reply: Any) -> Steps[None]:
         yield from wake_steps(alias, keys, head)
 
 
-def reset_steps(alias: str, keys: LockKeys) -> Steps[bool]:
-    """Force-release the lock on ``alias``, handing it to the first waiter; return True if held."""
-    _sent, done = yield Script(alias, scripts.RESET, keys.script_keys, [])
-    yield from _woken(alias, keys, done)
-    return bool(done)
+def reset_steps(alias: str, keys: LockKeys) -> Steps[int]:
+    """Force-release the lock on ``alias``, handing it to the first waiter; return how many held it.
+
+    One for an exclusive holder; for a shared lock or a semaphore, its holders.
+    """
+    _sent, (holders, woken) = yield Script(alias, scripts.RESET, keys.script_keys, [])
+    yield from _woken(alias, keys, woken)
+    return int(holders)
 
 
 def release_steps(alias: str, keys: LockKeys, token: str) -> Steps[bool]:

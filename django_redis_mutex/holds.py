@@ -29,7 +29,7 @@ import time
 from contextvars import ContextVar
 from dataclasses import dataclass, field
 from functools import cache, lru_cache
-from typing import Any, ClassVar
+from typing import Any
 
 from . import scripts
 from .keys import LockKeys
@@ -153,6 +153,8 @@ class Hold:
     # Set while the hold's block has ended inside a database transaction: the
     # lock is given back when that transaction ends (see transactions.py).
     transaction_wait: TransactionWait | None = None
+    # "lock", or "semaphore" for a semaphore's permit: in log lines and signals.
+    kind: str = "lock"
 
     def __post_init__(self) -> None:
         if not self.targets:
@@ -235,19 +237,20 @@ class Hold:
 
     # -- what the watchdog asks of everything it renews (watchdog.Renewable) --
 
-    kind: ClassVar[str] = "lock"
-
     def renewal(self, key: str, ttl: float) -> tuple[scripts.LuaScript, tuple[str, ...], list[Any]]:
         """Return the script, keys and arguments that renew the lock ``key`` to ``ttl``."""
         return scripts.EXTEND, (key,), [self.token, int(ttl * 1000)]
 
     def describe(self) -> str:
         """Name the hold in log lines."""
-        return f"Lock {self.name!r} (fence {self.fence})"
+        return f"{self.kind.title()} {self.name!r} (fence {self.fence})"
 
     def lost_signal(self, held: float) -> dict[str, Any]:
         """Return the ``lock_lost`` keyword arguments for this hold."""
-        return {"name": self.name, "fence": self.fence, "held": held, "shared": self.shared}
+        sent = {"name": self.name, "fence": self.fence, "held": held, "shared": self.shared}
+        if self.kind != "lock":
+            sent["kind"] = self.kind  # a lock's loss has never carried a kind
+        return sent
 
 
 @dataclass(eq=False, slots=True)

@@ -260,8 +260,8 @@ def _quorum(members: tuple[str, ...]) -> int:
 # -- reading ---------------------------------------------------------------------
 
 
-def _lock_keys(client: Any, alias: str) -> Iterator[list[str]]:
-    """Yield batches of lock keys of ``alias``'s namespace, each key once.
+def scanned_keys(client: Any, pattern: str) -> Iterator[list[str]]:
+    """Yield batches of the hash keys matching ``pattern``, each key once.
 
     A cluster client scans every node it believes to be a primary; just after a
     failover that can include the demoted one, whose replica copy of every key
@@ -269,9 +269,7 @@ def _lock_keys(client: Any, alias: str) -> Iterator[list[str]]:
     """
     batch: list[str] = []
     seen: set[str] = set()
-    for raw in client.scan_iter(
-        match=lock_pattern(namespace(alias)), count=SCAN_BATCH, _type="hash"
-    ):
+    for raw in client.scan_iter(match=pattern, count=SCAN_BATCH, _type="hash"):
         key = decode(raw)
         if key in seen:
             continue
@@ -282,6 +280,11 @@ def _lock_keys(client: Any, alias: str) -> Iterator[list[str]]:
             batch = []
     if batch:
         yield batch
+
+
+def _lock_keys(client: Any, alias: str) -> Iterator[list[str]]:
+    """Yield batches of lock keys of ``alias``'s namespace, each key once."""
+    return scanned_keys(client, lock_pattern(namespace(alias)))
 
 
 def _at(ms: int) -> datetime:
@@ -297,7 +300,7 @@ def _parse(
         return None  # released between SCAN and read
     token = record.get("token", "")
     if not token:
-        return _parse_shared(name, record, waiters, now_ms)
+        return parse_shared(name, record, waiters, now_ms)
     fence = record.get("fence", "")
     acquired = record.get("acquired", "")
     # The fence is the server clock in µs when the lock was taken, unless the
@@ -314,7 +317,7 @@ def _parse(
     )
 
 
-def _parse_shared(
+def parse_shared(
     name: str, record: dict[str, str], waiters: int, now_ms: int
 ) -> tuple[str, HeldLock] | None:
     """Return (tokens, lock) for a lock held shared: one ``r:<token>`` record per holder."""
@@ -495,7 +498,7 @@ def reset(name: str, using: str | Sequence[str] = "default") -> bool:
         ensure_resettable(alias)
         keys = LockKeys.for_name(namespace(alias), name)
         with backend_errors(name, alias):
-            return run_steps(reset_steps(alias, keys))
+            return run_steps(reset_steps(alias, keys)) > 0
     keys_of = {member: LockKeys.for_name(namespace(member), name) for member in members}
     errors: dict[str, BaseException] = {}
     held = _reset_on_members(members, keys_of, errors)
@@ -544,7 +547,7 @@ def reset_all(using: str | Sequence[str] = "default") -> int:
         for batch in _lock_keys(client, alias):
             for key in batch:
                 keys = LockKeys.for_lock_key(key)
-                count += run_steps(reset_steps(alias, keys))
+                count += run_steps(reset_steps(alias, keys)) > 0
     return count
 
 

@@ -19,6 +19,11 @@ The layout of one lock, written here and nowhere else (``<lock>`` is
     <lock>:waiting       hash: waiting token -> "<ttl ms>|<owner JSON>"
     <lock>:wake:<token>  list: a waiter's wake-up, "<fence>|<successor token>"
 
+A semaphore has the same layout, under ``<namespace>:semaphore:{<escaped
+name>}``: its permits are shared holders' records, and its hash also keeps
+``limit``, the most holders it admits at once. A lock and a semaphore of one
+name are two different things, and the lock patterns never match a semaphore.
+
 Every script is given, in KEYS, every key it may touch (the first five in that
 order, then the one wake-up list it may push to or clear): during a Redis
 Cluster slot migration a key the script did not declare could already have
@@ -37,8 +42,10 @@ __all__ = [
     "MAX_NAME_LENGTH",
     "LockKeys",
     "SharedRecord",
+    "app_key_patterns",
     "escape_name",
     "lock_pattern",
+    "semaphore_pattern",
     "unescape_name",
     "validate_label",
     "validate_name",
@@ -108,16 +115,31 @@ def glob_escape(text: str) -> str:
     return text.translate(_GLOB_SPECIAL)
 
 
+# Where a semaphore's keys live in a namespace, before its hash tag.
+_SEMAPHORES = "semaphore:"
+
+
 def lock_pattern(namespace: str) -> str:
     """Return the SCAN pattern matching every lock key (and only lock keys) of a namespace."""
     return glob_escape(namespace) + ":{*}"
 
 
+def semaphore_pattern(namespace: str) -> str:
+    """Return the SCAN pattern matching every semaphore's main key (its hash) in a namespace."""
+    return glob_escape(namespace) + ":" + _SEMAPHORES + "{*}"
+
+
+def app_key_patterns(namespace: str) -> tuple[str, ...]:
+    """Return SCAN patterns matching every key this app writes in a namespace, and no other."""
+    escaped = glob_escape(namespace)
+    return (escaped + ":{*", escaped + ":" + _SEMAPHORES + "{*")
+
+
 @lru_cache(maxsize=4096)
-def _keys_for(namespace: str, name: str) -> LockKeys:
+def _keys_for(namespace: str, name: str, space: str) -> LockKeys:
     # Hot names (a view's lock) are built on every request; the keys are pure
     # functions of namespace and name.
-    return LockKeys.for_lock_key(f"{namespace}:{{{escape_name(name)}}}")
+    return LockKeys.for_lock_key(f"{namespace}:{space}{{{escape_name(name)}}}")
 
 
 @dataclass(frozen=True)
@@ -136,7 +158,11 @@ class LockKeys:
 
     @classmethod
     def for_name(cls, namespace: str, name: str) -> LockKeys:
-        return _keys_for(namespace, name)
+        return _keys_for(namespace, name, "")
+
+    @classmethod
+    def for_semaphore(cls, namespace: str, name: str) -> LockKeys:
+        return _keys_for(namespace, name, _SEMAPHORES)
 
     @classmethod
     def for_lock_key(cls, lock_key: str) -> LockKeys:
@@ -164,7 +190,7 @@ class LockKeys:
 
     def name_of(self, namespace: str) -> str:
         """Return the lock name these keys belong to in ``namespace`` (read from the key)."""
-        return unescape_name(self.lock[len(namespace) + 2 : -1])
+        return unescape_name(self.lock[self.lock.index("{", len(namespace)) + 1 : -1])
 
 
 @dataclass(frozen=True)

@@ -131,6 +131,12 @@ class Mutex:
     # Starts every exclusive token of this class: "q" marks a quorum lock's
     # (see quorum.py); a shared token starts with "s".
     token_prefix: str = ""
+    # What this handle takes, in messages, log lines and signals ("lock", or
+    # "semaphore" for a permit of a Semaphore), and the extra arguments of its
+    # acquisitions (a semaphore's limit).
+    kind: str = "lock"
+    _limit_args: tuple[int, ...] = ()
+    _kind_signal: dict[str, str] = {}
 
     def __new__(cls, name: str, *, using: str | Sequence[str] = "default", **options: Any) -> Mutex:
         # A list of aliases, or an alias whose MUTEX block names a QUORUM, makes
@@ -257,7 +263,7 @@ class Mutex:
     def _acquire_args(self, token: str, join: bool) -> list[Any]:
         if self._owner_json is None:
             self._owner_json = owner_metadata(self.label)
-        return [token, lease_ms(self.lease), self._owner_json, 1 if join else 0]
+        return [token, lease_ms(self.lease), self._owner_json, 1 if join else 0, *self._limit_args]
 
     def _grant(self, fence: Any, sent: float, lease: float, successor: str | None = None) -> Grant:
         return Grant(int(fence), {self.using: (sent, lease)}, successor)
@@ -428,7 +434,9 @@ class Mutex:
 
     def _cancel_steps(self, token: str) -> Steps[Grant | None]:
         """Leave the queue; return the grant if the lock had been handed to us just before."""
-        sent, final = yield Script(self.using, scripts.CANCEL, self.keys.with_wake(token), [token])
+        sent, final = yield Script(
+            self.using, scripts.CANCEL, self.keys.with_wake(token), [token, *self._limit_args]
+        )
         if final[0] == 1:
             return self._granted_by(final, sent)
         if len(final) > 1:  # {0, token}: the lock was free and went to the next in line
@@ -567,6 +575,7 @@ class Mutex:
                 retry_after=error.retry_after,
                 owner=error.owner,
                 shared=self.shared,
+                **self._kind_signal,
             )
 
     def _adopt(self, token: str, grant: Grant, owner: object = None) -> Hold:
@@ -590,6 +599,7 @@ class Mutex:
             max_hold=self.settings.max_hold,
             raise_on_lost=self.settings.raise_on_lost,
             successor=grant.successor,
+            kind=self.kind,
         )
         for alias, (sent, lease) in grant.leases.items():
             hold.confirm(alias, sent, lease)
@@ -607,6 +617,7 @@ class Mutex:
                 fence=hold.fence,
                 wait=time.monotonic() - started,
                 shared=self.shared,
+                **self._kind_signal,
             )
 
     def _short(self, hold: Hold) -> bool:
@@ -719,7 +730,9 @@ class Mutex:
         nobody has; that lock would stay held for its whole lease.
         """
         give_back_later(
-            f"lock {self.name!r}", lambda: self._abandon_steps(token), max(self.lease, WAIT_LEASE)
+            f"{self.kind} {self.name!r}",
+            lambda: self._abandon_steps(token),
+            max(self.lease, WAIT_LEASE),
         )
 
     def _abandon(self, token: str) -> None:
@@ -733,7 +746,8 @@ class Mutex:
         # script in flight, or the next release, may still hand the lock to
         # this token, which nobody has. Retry until Redis answers.
         logger.warning(
-            "Could not leave the wait queue of lock %r (retrying in the background): %s",
+            "Could not leave the wait queue of %s %r (retrying in the background): %s",
+            self.kind,
             self.name,
             exc,
         )
@@ -832,14 +846,14 @@ class Mutex:
         try:
             run_steps(self._release_steps(hold))
         except Exception as exc:
-            logger.warning("Could not give back lock %r: %s", self.name, exc)
+            logger.warning("Could not give back %s %r: %s", self.kind, self.name, exc)
 
     async def _agive_back(self, hold: Hold) -> None:
         self._forget(hold)
         try:
             await AsyncDriver().run(self._release_steps(hold))
         except Exception as exc:
-            logger.warning("Could not give back lock %r: %s", self.name, exc)
+            logger.warning("Could not give back %s %r: %s", self.kind, self.name, exc)
 
     def _release_failed_locally(self, hold: Hold) -> None:
         # The release may have reached Redis with only its reply lost: stop
@@ -855,7 +869,7 @@ class Mutex:
         # caller's to retry.
         if isinstance(sys.exc_info()[1], LockBackendUnavailable):
             give_back_later(
-                f"lock {self.name!r} (fence {hold.fence})",
+                f"{self.kind} {self.name!r} (fence {hold.fence})",
                 lambda: self._release_steps(hold),
                 hold.ttl,
                 lambda: hold.active,
@@ -865,7 +879,7 @@ class Mutex:
         hold = self._current()
         if hold is None or not hold.active:
             raise LockNotOwned(
-                f"Cannot {action} lock {self.name!r}: this handle does not hold it.",
+                f"Cannot {action} {self.kind} {self.name!r}: this handle does not hold it.",
                 name=self.name,
             )
         return hold
@@ -898,11 +912,12 @@ class Mutex:
                     held=held,
                     shared=hold.shared,
                     databases=databases,
+                    **self._kind_signal,
                 )
             return
         _declare_lost(hold, "it was no longer held by this owner at release")
         raise LockNotOwned(
-            f"Lock {self.name!r} (fence {hold.fence}) was no longer held at release: "
+            f"{hold.describe()} was no longer held at release: "
             "it expired, was reset, or was taken by another owner.",
             name=self.name,
         )
@@ -1018,7 +1033,7 @@ class Mutex:
             )
             # Its owner has left: nothing may keep it until its lease ends.
             give_back_later(
-                f"lock {self.name!r} (fence {hold.fence})",
+                f"{self.kind} {self.name!r} (fence {hold.fence})",
                 lambda: self._release_steps(hold),
                 hold.ttl,
             )
@@ -1062,7 +1077,7 @@ class Mutex:
         if not ok:
             _declare_lost(hold, "extend found it held by another owner or gone")
             raise LockNotOwned(
-                f"Cannot extend lock {self.name!r}: it is no longer held by this handle.",
+                f"Cannot extend {self.kind} {self.name!r}: it is no longer held by this handle.",
                 name=self.name,
             )
         hold.ttl = ttl
@@ -1297,7 +1312,7 @@ class Mutex:
 
     def _lost_on_exit(self, hold: Hold, *, body_failed: bool) -> None:
         message = (
-            f"Lock {self.name!r} (fence {hold.fence}) was lost while the block ran: "
+            f"{hold.describe()} was lost while the block ran: "
             f"{hold.lost_reason or 'it expired, was reset, or was taken'}."
         )
         if body_failed or not hold.raise_on_lost:
@@ -1308,7 +1323,7 @@ class Mutex:
     def _release_failed(self, error: LockBackendUnavailable, *, body_failed: bool) -> None:
         # The lease still ends by itself; the hold stays on the handle for a retry.
         if body_failed or self.settings.fail_open:
-            logger.error("Could not release lock %r: %s", self.name, error)
+            logger.error("Could not release %s %r: %s", self.kind, self.name, error)
             return
         raise error
 

@@ -67,15 +67,10 @@ def _patterns(alias: str) -> list[str]:
     from django.conf import settings
 
     from .client import namespace
-    from .keys import glob_escape
+    from .keys import app_key_patterns, glob_escape
 
-    ns = glob_escape(namespace(alias))
-    patterns = [
-        # Every key of every lock starts with "<namespace>:{" (see keys.py),
-        ns + ":{*",
-        # every key of a semaphore with "<namespace>:semaphore:{<name>}:" (semaphore_scripts.py).
-        ns + ":semaphore:{*}:*",
-    ]
+    # Every key of every lock and semaphore (see keys.py).
+    patterns = list(app_key_patterns(namespace(alias)))
     entry = settings.CACHES[alias]
     if "KEY_FUNCTION" not in entry:
         # Django's key function: "<KEY_PREFIX>:<VERSION>:<key>", the version a number.

@@ -90,6 +90,9 @@ _CONSTANTS = (
     f"local WAIT_LEASE = {int(WAIT_LEASE * 1000)}\n"
     f"local FENCE_RETENTION = {int(FENCE_RETENTION * 1000)}\n"
     f"local HANDOFF_LEASE = {int(HANDOFF_LEASE * 1000)}\n"
+    # How many shared holders the lock admits at once: a semaphore's limit, or
+    # 0 for no bound (a shared lock). Set by the script body before any grant.
+    "local LIMIT = 0\n"
 )
 
 # The server clock in µs, as text (the fence it becomes) and as a number (a
@@ -142,12 +145,15 @@ local function is_shared(token)
   return string.byte(token, 1) == 115
 end
 
+-- A semaphore's hash also keeps its limit ('limit'), so the scripts that hand
+-- permits on without being told it (a release, a reset) admit no more.
 local function grant_shared(token, ttl, owner)
   local fence = next_fence()
   local now_ms = math.floor(now / 1000)
   ttl = tonumber(ttl)
   redis.call('HSET', KEYS[1], 'r:' .. token,
              (now_ms + ttl) .. '|' .. fence .. '|' .. now_ms .. '|' .. owner)
+  if LIMIT > 0 then redis.call('HSET', KEYS[1], 'limit', LIMIT) end
   if redis.call('PTTL', KEYS[1]) < ttl then redis.call('PEXPIRE', KEYS[1], ttl) end
   return fence
 end
@@ -178,27 +184,30 @@ local function reader_state(value, now_ms)
   return ends, string.sub(value, a + 1, b - 1), ends - now_ms
 end
 
--- Drop the shared holders whose lease ended; return how many are left. A hash
--- left with no holder at all is deleted, so the lock reads as free.
+-- Drop the shared holders whose lease ended; return how many are left, and
+-- the ms until the first of their leases ends (0 with none). A hash left with
+-- no holder at all is deleted, so the lock reads as free.
 local function live_readers(now_ms)
   -- An exclusive lock that ended leaves no hash: nothing to read.
-  if redis.call('EXISTS', KEYS[1]) == 0 then return 0 end
+  if redis.call('EXISTS', KEYS[1]) == 0 then return 0, 0 end
   local fields = redis.call('HGETALL', KEYS[1])
-  local live, exclusive = 0, false
+  local live, exclusive, first = 0, false, 0
   for i = 1, #fields, 2 do
     local field = fields[i]
     if string.sub(field, 1, 2) == 'r:' then
-      if reader_state(fields[i + 1], now_ms) <= now_ms then
+      local ends = reader_state(fields[i + 1], now_ms)
+      if ends <= now_ms then
         redis.call('HDEL', KEYS[1], field)
       else
         live = live + 1
+        if first == 0 or ends - now_ms < first then first = ends - now_ms end
       end
     elseif field == 'token' then
       exclusive = true
     end
   end
   if live == 0 and not exclusive and #fields > 0 then redis.call('DEL', KEYS[1]) end
-  return live
+  return live, first
 end
 
 -- A waiter's terms, read and forgotten as it leaves the line: (hand-off lease, owner).
@@ -215,20 +224,24 @@ local function leave_line(token)
 end
 
 -- Give the lock to waiter head (first in line, alive) with the hand-off lease:
--- an exclusive waiter only when the lock is free; a shared one (with every
--- shared waiter right behind it) when no exclusive holder has it. Wake the
--- waiter whose list is KEYS[6] (expected is its token) here; return true when
--- nobody else needs waking, else the other granted tokens, space-separated,
--- for the caller to send WAKE.
-local function hand_to(head, expected)
+-- an exclusive waiter only when the lock is free; a shared one (with the
+-- shared waiters right behind it, as many as LIMIT leaves room for beside the
+-- live shared holders) when no exclusive holder has it. Wake the waiter whose
+-- list is KEYS[6] (expected is its token) here; return false when nobody was
+-- admitted, true when nobody else needs waking, else the other granted
+-- tokens, space-separated, for the caller to send WAKE; and how many got in.
+local function hand_to(head, expected, live)
   local granted = {}
   if is_shared(head) then
+    local room = math.huge
+    if LIMIT > 0 then room = LIMIT - live end
     local next_token = head
-    while next_token and is_shared(next_token) do
+    while next_token and is_shared(next_token) and #granted < room do
       local ttl, owner = leave_line(next_token)
       granted[#granted + 1] = {next_token, grant_shared(next_token, ttl, owner)}
       next_token = first_in_line()
     end
+    if #granted == 0 then return false, 0 end
   else
     local ttl, owner = leave_line(head)
     granted[1] = {head, grant(head, ttl, owner, false)}
@@ -244,17 +257,18 @@ local function hand_to(head, expected)
       others[#others + 1] = entry[1]
     end
   end
-  if #others == 0 then return true end
-  return table.concat(others, ' ')
+  if #others == 0 then return true, #granted end
+  return table.concat(others, ' '), #granted
 end
 
--- Give the free lock to the first live waiter: false when there is none, else
--- as hand_to.
-local function hand_off(expected)
+-- Give the first live waiter what ``live`` shared holders leave of the lock
+-- (all of it when 0; room beside them for shared waiters): as hand_to, false
+-- when nobody can be admitted.
+local function hand_off(expected, live)
   prune_dead_waiters(math.floor(now / 1000))
   local head = first_in_line()
-  if not head then return false end
-  return hand_to(head, expected)
+  if not head or (live > 0 and not is_shared(head)) then return false end
+  return hand_to(head, expected, live)
 end
 """
 
@@ -295,7 +309,8 @@ if ARGV[4] == '1' then
   -- The lock is held here (by someone else, or by the waiter just handed it).
   redis.call('HSET', KEYS[1], 'queued', '1')
 end
-return {0, redis.call('PTTL', KEYS[1]), redis.call('HGET', KEYS[1], 'owner') or '', woken}
+return {0, pttl or redis.call('PTTL', KEYS[1]), redis.call('HGET', KEYS[1], 'owner') or '',
+        woken}
 """
 
 
@@ -345,19 +360,23 @@ if not holder and live_readers(now_ms) == 0 then
   -- The lock expired (no release woke anyone) and a live waiter is first in
   -- line: give it the lock now instead of letting it sleep out its timer. Its
   -- wake-up list is not ours to touch: the caller wakes it.
-  woken = hand_to(head, nil)
+  woken = hand_to(head, nil, 0)
 end
+local pttl = nil
 """
     + _JOIN_LINE,
 )
 
 
-# ACQUIRE_SHARED: ACQUIRE for a shared holder (its token starts with 's').
-# Same KEYS, ARGV and answers, except that a {1, ...} answer may carry a fifth
-# item: shared waiters admitted with the caller, for it to WAKE. A shared
-# holder gets in whenever no exclusive holder has the lock and no exclusive
-# waiter is ahead of it in line: a writer that waits blocks new readers, so a
-# stream of readers never starves it.
+# ACQUIRE_SHARED: ACQUIRE for a shared holder (its token starts with 's'), or
+# for a permit of a semaphore. Same KEYS, ARGV and answers, plus ARGV[5]: the
+# semaphore's limit (how many may hold at once), or 0 for a shared lock; and a
+# {1, ...} answer may carry a fifth item: shared waiters admitted with the
+# caller, for it to WAKE. A shared holder gets in whenever no exclusive holder
+# has the lock, no exclusive waiter is ahead of it in line (a writer that
+# waits blocks new readers, so a stream of readers never starves it), and the
+# limit leaves room. A refused semaphore caller is told the ms until the first
+# holder's lease ends (the first permit that may come free), not the last.
 ACQUIRE_SHARED = LuaScript(
     "acquire_shared",
     _CONSTANTS
@@ -365,6 +384,7 @@ ACQUIRE_SHARED = LuaScript(
     + _GRANT
     + r"""
 local token, owner = ARGV[1], ARGV[3]
+LIMIT = tonumber(ARGV[5]) or 0
 if redis.call('EXISTS', KEYS[1], KEYS[3]) == 0 then
   return grant_shared(token, ARGV[2], owner)
 end
@@ -382,17 +402,20 @@ if mine then
     return {1, fence, left, first_in_line() or ''}
   end
 end
-local woken = ''
+local woken, pttl = '', nil
 if not redis.call('HGET', KEYS[1], 'token') then
-  local live = live_readers(now_ms)
+  local live, first = live_readers(now_ms)
   prune_dead_waiters(now_ms)
   local head = first_in_line()
   if head and head ~= token and is_shared(head) then
     -- Shared waiters are first in line and nobody handed them the lock (an
-    -- exclusive lease ended, a writer ahead of them left): they go in first,
-    -- up to the next exclusive waiter, so nobody passes a writer in line.
-    woken = hand_to(head, nil)
-    live = live + 1
+    -- exclusive lease ended, a writer ahead of them left, a permit's lease
+    -- ended): they go in first, up to the next exclusive waiter or the limit,
+    -- so nobody passes anyone in line.
+    local admitted
+    woken, admitted = hand_to(head, nil, live)
+    woken = woken or ''
+    live = live + admitted
     mine = redis.call('HGET', KEYS[1], 'r:' .. token)
     if mine then
       -- We were in that run. The others are in the reply's fifth item, to wake.
@@ -402,7 +425,8 @@ if not redis.call('HGET', KEYS[1], 'token') then
     end
     head = first_in_line()
   end
-  if (not head) or head == token then
+  local room = LIMIT == 0 or live < LIMIT
+  if room and ((not head) or head == token) then
     forget_waiter(token)
     redis.call('DEL', KEYS[6])
     local after = first_in_line()
@@ -410,9 +434,12 @@ if not redis.call('HGET', KEYS[1], 'token') then
     if after then redis.call('HSET', KEYS[1], 'queued', '1') end
     return {1, fence, -1, after or '', woken}
   end
-  if live == 0 then
+  if live == 0 and head and not is_shared(head) then
     -- Free, and an exclusive waiter is first in line: it gets the lock now.
-    woken = hand_to(head, nil)
+    woken = hand_to(head, nil, 0)
+  elseif LIMIT > 0 then
+    -- Full: the first permit may come free when the first lease ends.
+    pttl = first
   end
 end
 """
@@ -424,13 +451,15 @@ end
 # list of the waiter the holder expects to be next.
 # ARGV[1] token, ARGV[2] (with KEYS[6]) that waiter's token.
 # Returns 0 when the caller did not hold the lock (nothing is touched),
-# 1 when released with nobody waiting (or shared holders left), 2 when handed
-# to the expected waiter and woken, else the token(s) of the waiter(s) it was
-# handed to, space-separated, which the caller must WAKE.
+# 1 when released with nobody to hand it to, 2 when handed to the expected
+# waiter and woken, else the token(s) of the waiter(s) it was handed to,
+# space-separated, which the caller must WAKE. A shared holder's release
+# hands the lock on when it was the last (to an exclusive waiter), or when a
+# shared waiter is first in line (a semaphore's permit come free).
 RELEASE = LuaScript(
     "release",
     r"""
-local found = redis.call('HMGET', KEYS[1], 'token', 'queued')
+local found = redis.call('HMGET', KEYS[1], 'token', 'queued', 'limit')
 local shared = nil
 if found[1] ~= ARGV[1] then
   if found[1] then return 0 end
@@ -446,6 +475,8 @@ end
     + _GRANT
     + _QUEUE
     + r"""
+LIMIT = tonumber(found[3]) or 0
+local live = 0
 if shared then
   local now_ms = math.floor(now / 1000)
   -- A shared lease that ended is no longer the caller's, even while its
@@ -453,12 +484,11 @@ if shared then
   -- first waiter's next check-in finds the lock free.
   local ended = reader_state(shared, now_ms) <= now_ms
   redis.call('HDEL', KEYS[1], 'r:' .. ARGV[1])
-  local left = live_readers(now_ms)
+  live = live_readers(now_ms)
   if ended then return 0 end
-  -- The lock is free once no other shared holder is left (the hash is gone).
-  if left > 0 or not found[2] then return 1 end
+  if not found[2] then return 1 end
 end
-local handed = hand_off(ARGV[2])
+local handed = hand_off(ARGV[2], live)
 if handed == false then return 1 end
 if handed == true then return 2 end
 return handed
@@ -497,11 +527,12 @@ return 1
 
 # CANCEL: a waiter gives up (timeout, interrupt, cancellation).
 # KEYS[1..5] lock, fence, queue, leases, waiting; KEYS[6] the caller's wake-up list.
-# ARGV[1] token.
+# ARGV[1] token, ARGV[2] (a semaphore's) the limit, as for ACQUIRE_SHARED.
 # Returns {1, fence, pttl ms, successor} when the lock had already been handed
 # to the caller (it now holds it and must use or release it), else {0} or
-# {0, token}: if the lock is free and others wait, the first is handed the lock
-# so nobody sleeps on a free lock, and its token returned for the caller to WAKE.
+# {0, token}: if the lock is free (or has room) and others wait, the first is
+# handed the lock so nobody sleeps on a free lock, and its token(s) returned
+# for the caller to WAKE.
 CANCEL = LuaScript(
     "cancel",
     _CONSTANTS
@@ -510,6 +541,7 @@ CANCEL = LuaScript(
     + _QUEUE
     + r"""
 local token = ARGV[1]
+LIMIT = tonumber(ARGV[2]) or 0
 forget_waiter(token)
 redis.call('DEL', KEYS[6])
 local holder = redis.call('HGET', KEYS[1], 'token')
@@ -524,30 +556,26 @@ if mine then
   if left > 0 then return {1, fence, left, first_in_line() or ''} end
 end
 if not holder then
-  local handed = false
-  if live_readers(now_ms) == 0 then
-    handed = hand_off(nil)
-  else
-    -- Shared holders have it: shared waiters now first in line may join them.
-    prune_dead_waiters(now_ms)
-    local head = first_in_line()
-    if head and is_shared(head) then handed = hand_to(head, nil) end
-  end
+  -- Free, or shared holders have it and shared waiters now first in line may
+  -- join them.
+  local handed = hand_off(nil, live_readers(now_ms))
   if handed then return {0, handed} end
 end
 return {0}
 """,
 )
 
-# RESET: force release whoever holds the lock (operator action).
+# RESET: force release whoever holds the lock, or every permit of a semaphore
+# (operator action).
 # KEYS[1..5] lock, fence, queue, leases, waiting.  No ARGV.
-# Returns 0 when the lock was not held, 1 when it was removed with nobody
-# waiting, else the token of the first waiter, handed the lock as on a release,
-# which the caller must WAKE.
+# Returns {holders, woken}: how many held it (an exclusive holder, or each
+# shared holder or permit whose lease had not ended), and '' or the token(s)
+# of the waiter(s) handed the lock as on a release, which the caller must WAKE.
 RESET = LuaScript(
     "reset",
     r"""
-if redis.call('EXISTS', KEYS[1]) == 0 then return 0 end
+if redis.call('EXISTS', KEYS[1]) == 0 then return {0, ''} end
+local fields = redis.call('HGETALL', KEYS[1])
 redis.call('DEL', KEYS[1])
 """
     + _CONSTANTS
@@ -555,9 +583,24 @@ redis.call('DEL', KEYS[1])
     + _GRANT
     + _QUEUE
     + r"""
-return hand_off(nil) or 1
+local now_ms = math.floor(now / 1000)
+local holders = 0
+for i = 1, #fields, 2 do
+  local field = fields[i]
+  if field == 'token' then
+    holders = holders + 1
+  elseif field == 'limit' then
+    LIMIT = tonumber(fields[i + 1]) or 0
+  elseif string.sub(field, 1, 2) == 'r:' and reader_state(fields[i + 1], now_ms) > now_ms then
+    holders = holders + 1
+  end
+end
+local woken = hand_off(nil, 0)
+if type(woken) ~= 'string' then woken = '' end
+return {holders, woken}
 """,
 )
+
 
 # WAKE: push the wake-up of a waiter a script handed the lock to but could not
 # wake (its list was not among that script's KEYS). Pushed only while the lock

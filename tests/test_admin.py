@@ -691,7 +691,7 @@ def test_confirmed_reset_frees_every_permit_and_is_recorded(releaser, permit, ho
     assert response.context["semaphores"] == []
     assert held_semaphores() == []
     assert lock.owned()
-    with pytest.raises(LockLost):
+    with pytest.raises(LockNotOwned):
         first.release()
     assert permit("exports", 1)  # a fresh acquire succeeds
     entry = LogEntry.objects.get()

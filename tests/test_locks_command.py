@@ -684,7 +684,7 @@ def test_reset_semaphore_frees_every_permit_and_keeps_the_lock_of_that_name(
     assert out.splitlines() == ["Reset semaphore 'jobs': freed 2 permits."]
     assert held_semaphores() == []
     assert lock.owned()
-    with pytest.raises(LockLost):
+    with pytest.raises(LockNotOwned):
         first.release()
     fresh = [Semaphore("jobs", 2, watchdog=False) for _ in range(2)]
     assert all(handle.acquire(blocking=False) for handle in fresh)

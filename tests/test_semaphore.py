@@ -36,11 +36,19 @@ from django_redis_mutex import (
     semaphore,
     signals,
 )
-from django_redis_mutex.keys import escape_name
-from django_redis_mutex.scripts import EXTEND, HANDOFF_LEASE, WAIT_LEASE
-from django_redis_mutex.semaphore import MAX_LIMIT, SemaphoreKeys
-from django_redis_mutex.semaphore import SCRIPTS as SEMAPHORE_SCRIPTS
-from django_redis_mutex.semaphore_scripts import SEM_CANCEL, SEM_EXTEND, SEM_RELEASE, SEM_WAKE
+from django_redis_mutex.keys import LockKeys, SharedRecord, escape_name
+from django_redis_mutex.scripts import (
+    ACQUIRE_SHARED,
+    CANCEL,
+    EXTEND,
+    HANDOFF_LEASE,
+    MARK_TRANSACTION,
+    RELEASE,
+    RESET,
+    WAIT_LEASE,
+    WAKE,
+)
+from django_redis_mutex.semaphore import MAX_LIMIT
 from django_redis_mutex.testing import RedisClusterServers, RedisServer
 from django_redis_mutex.watchdog import get_watchdog
 
@@ -85,9 +93,31 @@ def data_key(raw: redis.Redis, mutex_prefix: str) -> Iterator[Callable[[str], st
         raw.delete(*made)
 
 
+# The scripts a semaphore runs: the lock engine's, on the semaphore's keys.
+SEMAPHORE_SCRIPTS = (ACQUIRE_SHARED, CANCEL, EXTEND, MARK_TRANSACTION, RELEASE, RESET, WAKE)
+
+
+def permit_records(raw: redis.Redis, keys: LockKeys) -> dict[str, SharedRecord]:
+    """Return each permit's record in the semaphore's hash, by token (ended leases included)."""
+    records = {}
+    for field_name, value in raw.hgetall(keys.lock).items():
+        if field_name.startswith(b"r:"):
+            record = SharedRecord.parse(value.decode())
+            assert record is not None, value
+            records[field_name.decode()[2:]] = record
+    return records
+
+
 def holder_tokens(raw: redis.Redis, name: str, limit: int = 1) -> list[str]:
     """Return the tokens holding a permit of ``name`` per Redis (leases not yet pruned included)."""
-    return [t.decode() for t in raw.zrange(Semaphore(name, limit).keys.holders, 0, -1)]
+    records = permit_records(raw, Semaphore(name, limit).keys)
+    return sorted(records, key=lambda token: records[token].ends)
+
+
+def lease_end(raw: redis.Redis, keys: LockKeys, token: str) -> float | None:
+    """Return the server-clock ms the permit of ``token`` ends, or None without one."""
+    record = permit_records(raw, keys).get(token)
+    return None if record is None else float(record.ends)
 
 
 def queued(raw: redis.Redis, name: str) -> int:
@@ -176,7 +206,8 @@ def test_a_killed_holders_permit_comes_back_when_its_lease_ends_and_not_before(
     os.kill(holder.pid, signal.SIGKILL)
     holder.process.wait(10)
     keys = Semaphore("killed", 1).keys
-    dead_lease_ends = float(raw.zscore(keys.holders, token))  # type: ignore[arg-type]
+    dead_lease_ends = lease_end(raw, keys, token)
+    assert dead_lease_ends is not None
 
     # Renewed a third into each lease, so at least two thirds of one are left.
     assert not Semaphore("killed", 1).acquire(blocking=False)
@@ -185,7 +216,9 @@ def test_a_killed_holders_permit_comes_back_when_its_lease_ends_and_not_before(
     started = time.monotonic()
     assert late.acquire(timeout=20)
     waited = time.monotonic() - started
-    granted_at = float(raw.zscore(keys.holders, late.token)) - 30_000  # type: ignore[arg-type]
+    late_ends = lease_end(raw, keys, late.token or "")
+    assert late_ends is not None
+    granted_at = late_ends - 30_000
     assert granted_at >= dead_lease_ends
     # Woken by the end of the lease (a check-in), not a whole timeout later.
     assert waited <= ttl + 2.0
@@ -218,7 +251,8 @@ def test_without_the_watchdog_a_permit_ends_with_its_lease_and_release_says_so()
     assert holder.acquire(blocking=False)
     other = Semaphore("unrenewed", 1, ttl=5)
     assert other.acquire(timeout=5)
-    with pytest.raises(LockLost, match="'unrenewed'"):
+    # As for a lock: release() says the permit was no longer this holder's.
+    with pytest.raises(LockNotOwned, match="'unrenewed'"):
         holder.release()
     other.release()
 
@@ -340,7 +374,7 @@ def test_an_acquisition_cancelled_again_while_it_stops_never_leaves_a_permit_to_
         holder = Semaphore(name, 1, ttl=8, watchdog=False)
         if contended:
             assert await holder.aacquire(blocking=False)
-        forget_scripts_but(raw, SEM_CANCEL, SEM_RELEASE, SEM_WAKE)
+        forget_scripts_but(raw, CANCEL, RELEASE, WAKE)
         contender = Semaphore(name, 1, ttl=8, watchdog=False, timeout=10)
         if await cancel_repeatedly(contender.aacquire, rng):
             await contender.arelease()  # it got the permit before the cancels
@@ -456,7 +490,7 @@ def test_reset_frees_every_permit_and_hands_them_to_the_line(raw: redis.Redis) -
     assert reset_semaphore("reset") == 2
     assert holder_tokens(raw, "reset") == []
     for holder in holders:
-        with pytest.raises(LockLost):
+        with pytest.raises(LockNotOwned):
             holder.release()
     assert reset_semaphore("reset") == 0
 
@@ -497,18 +531,21 @@ def test_every_key_has_an_expiry_while_held_and_waited_for_and_none_is_left_afte
         return ttls
 
     ttls = asyncio.run(wait_then_check())
+    # The lock's layout: the hash of permits (and the limit), its fence, the line.
     assert {key.rsplit(b":", 1)[-1] for key, _ in ttls} >= {
-        b"holders",
-        b"owners",
+        b"{expiring}",
+        b"fence",
         b"queue",
         b"leases",
         b"waiting",
-        b"limit",
     }
     assert [key for key, ms in ttls if ms <= 0] == []
-    leftover = [(key, int(raw.pttl(key))) for key in namespace_keys()]
+    leftover = [
+        (key, int(raw.pttl(key))) for key in namespace_keys() if not key.endswith(b":fence")
+    ]
     assert [key for key, ms in leftover if ms <= 0] == []
-    # What is left is only a wake-up or the line's lapse, gone within a wait lease.
+    # What is left beside the fence counter (see the guarantees page) is only a
+    # wake-up or the line's lapse, gone within a wait lease.
     assert all(ms <= 2000 for _, ms in leftover)
 
 
@@ -553,11 +590,23 @@ def test_bad_names_and_options_are_refused_naming_the_problem() -> None:
         Semaphore("x", 1).acquire(blocking=1)  # type: ignore[arg-type]
     with pytest.raises(TypeError, match="only filled when semaphore"), semaphore(lambda: "x", 1):
         pass
-    held = Semaphore("x", 1)
+    with pytest.raises(ValueError, match="limit must be at least 1"):
+        semaphore("x", 0)
+
+
+def test_an_owner_taking_its_permit_again_nests_into_it_unless_not_reentrant() -> None:
+    held = Semaphore("nested", 1)
     assert held.acquire(blocking=False)
-    with pytest.raises(RuntimeError, match="already holds or is acquiring a permit"):
-        held.acquire(blocking=False)
+    assert held.acquire(blocking=False)  # the same owner: one more level, no second permit
+    assert [len(h.holders) for h in held_semaphores()] == [1]
     held.release()
+    assert [len(h.holders) for h in held_semaphores()] == [1]  # the outer level holds on
+    held.release()
+    assert held_semaphores() == []
+    strict = Semaphore("nested", 1, reentrant=False)
+    assert strict.acquire(blocking=False)
+    assert not strict.acquire(blocking=False)  # its own permit is the only one
+    strict.release()
 
 
 # -- declared keys --------------------------------------------------------------------------------
@@ -636,18 +685,18 @@ def test_every_key_a_semaphore_script_touches_is_declared_in_its_keys(
         keys_of.close()
     ran = {names.get(run.script, run.script) for run in runs}
     assert ran >= {script.name for script in SEMAPHORE_SCRIPTS}
-    # Both ways of waking a waiter ran: inside the release, and by SEM_WAKE.
+    # Both ways of waking a waiter ran: inside the release, and by WAKE.
     pushed_by = {
         names.get(run.script, run.script)
         for run in runs
         if any(command.name == "RPUSH" for command in run.ran)
     }
-    assert pushed_by >= {"semaphore_release", "semaphore_wake"}
+    assert pushed_by >= {"release", "wake"}
 
 
 def renewed_count(raw: redis.Redis, held: Semaphore) -> int:
     """Count how often the lease of ``held`` moved (a poll of its score)."""
-    score = raw.zscore(held.keys.holders, held.token or "")
+    score = lease_end(raw, held.keys, held.token or "")
     seen = _scores.setdefault(held.token or "", set())
     if score is not None:
         seen.add(score)
@@ -735,26 +784,38 @@ def test_a_waiter_killed_in_line_delays_the_next_by_at_most_a_hand_off_lease(
     assert survivor.finish() == 0
 
 
-def test_threads_sharing_one_handle_take_one_permit_between_them() -> None:
-    shared = Semaphore("shared-handle", 5, ttl=10)
-    results: list[str] = []
-    start = threading.Barrier(4)
+def test_threads_sharing_one_handle_each_take_their_own_permit() -> None:
+    # As a lock handle: each thread (or task) holds its own acquisition, so a
+    # handle shared by a thread pool is a semaphore for the pool.
+    shared = Semaphore("shared-handle", 3, ttl=10)
+    start, taken, done = threading.Barrier(4), threading.Barrier(4), threading.Event()
+    results: dict[str, bool] = {}
+    tokens: dict[str, str | None] = {}
 
     def take() -> None:
         start.wait()
-        try:
-            results.append("got" if shared.acquire(timeout=5) else "refused")
-        except RuntimeError:
-            results.append("busy")
+        name = threading.current_thread().name
+        results[name] = shared.acquire(timeout=1.0)
+        tokens[name] = shared.token
+        taken.wait()
+        done.wait(20)
+        if results[name]:
+            shared.release()
 
-    threads = [threading.Thread(target=take) for _ in range(4)]
+    threads = [threading.Thread(target=take, name=f"taker-{i}") for i in range(4)]
     for thread in threads:
         thread.start()
+    taken_by = wait_until(lambda: len(results) == 4 and results, what="every thread's try")
+    assert sorted(taken_by.values()) == [False, True, True, True]
+    (held,) = held_semaphores()
+    assert sorted(h.owner.thread for h in held.holders) == sorted(
+        name for name, got in results.items() if got
+    )
+    assert {h.token for h in held.holders} == {tokens[n] for n, got in results.items() if got}
+    done.set()
     for thread in threads:
         thread.join(20)
-    assert sorted(results).count("got") == 1
-    assert [h.token for h in held_semaphores()[0].holders] == [shared.token]
-    shared.release()
+    assert held_semaphores() == []
 
 
 def test_a_holder_paused_past_its_lease_loses_its_permit_and_is_told_on_leaving(
@@ -771,7 +832,7 @@ def test_a_holder_paused_past_its_lease_loses_its_permit_and_is_told_on_leaving(
     finally:
         os.kill(paused.pid, signal.SIGCONT)
     raw.rpush(go, "go")
-    assert "permit had already ended" in paused.expect("lost")["message"]
+    assert "was lost while the block ran" in paused.expect("lost")["message"]
     assert paused.finish() == 0
     # The paused holder's renewal did not bring its permit back.
     assert holder_tokens(raw, "paused") == [taker.token]
@@ -784,7 +845,7 @@ def test_a_holder_paused_past_its_lease_loses_its_permit_and_is_told_on_leaving(
 
 @pytest.mark.parametrize("name", HOSTILE_NAMES)
 def test_every_key_of_a_semaphore_shares_one_slot(name: str) -> None:
-    keys = SemaphoreKeys.for_name("tests:mutex", name)
+    keys = LockKeys.for_semaphore("tests:mutex", name)
     every_key = [*keys.script_keys, keys.wake("0123456789abcdef0123456789abcdef")]
     assert {key_slot(key.encode()) for key in every_key} == {key_slot(escape_name(name).encode())}
 
@@ -843,7 +904,7 @@ def test_max_hold_stops_renewing_a_permit_so_it_ends() -> None:
         assert successor.acquire(timeout=10)
         # Renewed up to MAX_HOLD, then left to run out its last lease.
         assert time.monotonic() - started >= 0.5
-        with pytest.raises(LockLost):
+        with pytest.raises(LockNotOwned):
             capped.release()
         successor.release()
 
@@ -896,7 +957,7 @@ def test_a_lock_and_a_permit_on_one_alias_are_renewed_in_one_pipeline(
     with lane._cond:
         wait_until(lambda: time.monotonic() >= both_due, what="both renewals due")
     wait_until(
-        lambda: any({EXTEND.sha, SEM_EXTEND.sha} <= set(shas) for shas in watchdog_pipelines),
+        lambda: any(shas.count(EXTEND.sha) >= 2 for shas in watchdog_pipelines),
         what="one watchdog pipeline renewing the lock and the permit",
     )
     # That pipeline reached Redis: the permit's lease moved, the lock's was renewed.
@@ -911,10 +972,11 @@ def test_a_permit_reset_under_its_holder_sends_lock_lost_and_its_block_raises(
     raw: redis.Redis, lost_signals: list[dict[str, Any]]
 ) -> None:
     with (
-        pytest.raises(LockLost, match=r"'reset-under'.*permit had already ended"),
+        pytest.raises(LockLost, match=r"'reset-under'.*was lost while the block ran"),
         semaphore("reset-under", 2, ttl=0.3) as held,
     ):
-        permit = held._permit
+        permit = held._current()
+        assert permit is not None
         assert reset_semaphore("reset-under") == 1
         wait_until(lambda: held.lost, what="the watchdog to find the permit gone")
         assert not get_watchdog().watching(permit)
@@ -923,7 +985,7 @@ def test_a_permit_reset_under_its_holder_sends_lock_lost_and_its_block_raises(
     assert len(lost_signals) == 1
     (sent,) = lost_signals
     assert sent["sender"] == "default"
-    assert (sent["name"], sent["kind"], sent["fence"]) == ("reset-under", "semaphore", None)
+    assert (sent["name"], sent["kind"], sent["fence"]) == ("reset-under", "semaphore", permit.fence)
     assert sent["held"] > 0
 
 
@@ -953,7 +1015,7 @@ def test_with_raise_on_lost_off_a_lost_permit_is_logged_not_raised(
         assert reset_semaphore("quiet-loss") == 1
         wait_until(lambda: held.lost, what="the watchdog to find the permit gone")
     assert any(
-        "'quiet-loss'" in r.getMessage() and "ended" in r.getMessage() for r in caplog.records
+        "'quiet-loss'" in r.getMessage() and "was lost" in r.getMessage() for r in caplog.records
     )
     assert [s["name"] for s in lost_signals] == ["quiet-loss"]
 
@@ -969,7 +1031,8 @@ def test_max_hold_stops_the_watchdog_renewing_a_permit(
     ):
         capped = Semaphore("capped-lane", 1, ttl=0.3)
         assert capped.acquire(blocking=False)
-        permit = capped._permit
+        permit = capped._current()
+        assert permit is not None
         wait_until(lambda: renewed_count(raw, capped) >= 1, what="a renewal before MAX_HOLD")
         wait_until(lambda: not get_watchdog().watching(permit), what="renewal to stop")
         # Left to run out its last lease: the permit comes free to another holder.
@@ -979,7 +1042,7 @@ def test_max_hold_stops_the_watchdog_renewing_a_permit(
         "semaphore 'capped-lane'" in r.getMessage() and "MAX_HOLD" in r.getMessage()
         for r in caplog.records
     )
-    with pytest.raises(LockLost):
+    with pytest.raises(LockNotOwned):
         capped.release()
     successor.release()
 
@@ -1016,5 +1079,5 @@ def test_a_hung_redis_stalls_only_the_permits_of_its_own_alias(
             finally:
                 proxy.resume()
             # The hung Redis's permit ran out meanwhile, and is not brought back.
-            with pytest.raises(LockLost):
+            with pytest.raises(LockNotOwned):
                 stuck.release()

@@ -25,6 +25,11 @@ from Redis and asks what the shared lock promises:
 * a holder that checks in again (or cancels), as a waiter handed the lock
   between two check-ins does, is told it holds it, with its own fence.
 
+The same machine plays a semaphore: every owner shared, with a limit of one
+to three given to ACQUIRE_SHARED and CANCEL. Then, besides the above, no more
+than the limit hold at once, and a script that found room leaves no live
+waiter in line while a permit is free.
+
 The wait leases (WAIT_LEASE) and hand-off leases are real time: an example
 that takes longer than :data:`TIMELY` (a stalled machine) checks only what
 time cannot change (the first and fourth promises) from then on.
@@ -130,6 +135,9 @@ def _woken(value: Any) -> set[str]:
 class SharedLockModel(RuleBasedStateMachine):
     """Owners taking one lock shared or exclusively, straight through the scripts."""
 
+    # True to play a semaphore: shared owners only, at most ``limit`` at once.
+    semaphore = False
+
     def __init__(self, client: redis.Redis, namespace: str) -> None:
         super().__init__()
         self.client = client
@@ -138,6 +146,12 @@ class SharedLockModel(RuleBasedStateMachine):
         self.last_fence = 0
         self.started = time.monotonic()
         self.tokens = itertools.count(1)
+        self.limit = 0  # no bound: a shared lock
+
+    @property
+    def limit_args(self) -> list[int]:
+        """The limit argument of ACQUIRE_SHARED and CANCEL (none for a shared lock)."""
+        return [self.limit] if self.limit else []
 
     # -- reading Redis ---------------------------------------------------------
 
@@ -258,6 +272,11 @@ class SharedLockModel(RuleBasedStateMachine):
                 f"the lock is free after {reply!r} while "
                 f"{[self.describe(t) for t in after.live_line()]} wait"
             )
+            if self.limit:
+                assert len(after.holders()) >= self.limit or not after.live_line(), (
+                    f"{len(after.holders())} of {self.limit} permits held after {reply!r} "
+                    f"while {[self.describe(t) for t in after.live_line()]} wait"
+                )
         # A waiter handed the lock is woken by WAKE, which pushes its fence.
         for token in announced:
             wake_keys = (self.keys.lock, self.keys.queue, self.keys.wake(token))
@@ -270,8 +289,13 @@ class SharedLockModel(RuleBasedStateMachine):
 
     # -- rules ------------------------------------------------------------------
 
-    @initialize(kinds=st.lists(st.booleans(), min_size=2, max_size=MAX_OWNERS))
-    def owners_of_each_kind(self, kinds: list[bool]) -> None:
+    @initialize(
+        kinds=st.lists(st.booleans(), min_size=2, max_size=MAX_OWNERS), limit=st.integers(1, 3)
+    )
+    def owners_of_each_kind(self, kinds: list[bool], limit: int) -> None:
+        if self.semaphore:
+            kinds, self.limit = [True] * len(kinds), limit
+            note(f"a semaphore of limit {limit}")
         self.owners = [Owner(index, shared) for index, shared in enumerate(kinds)]
         note(", ".join(str(owner) for owner in self.owners))
 
@@ -283,7 +307,9 @@ class SharedLockModel(RuleBasedStateMachine):
 
         def call() -> tuple[Any, set[str]]:
             reply = self.run(
-                script, self.keys.with_wake(token), [token, TTL_MS, owner_json, int(join)]
+                script,
+                self.keys.with_wake(token),
+                [token, TTL_MS, owner_json, int(join), *self.limit_args],
             )
             if isinstance(reply, list) and reply[0] == 0:
                 return reply, _woken(reply[3])
@@ -340,8 +366,9 @@ class SharedLockModel(RuleBasedStateMachine):
 
         def call() -> tuple[Any, set[str]]:
             if cancel:
-                return self.run(scripts.CANCEL, keys, [token]), set()
-            return self.run(script, keys, [token, TTL_MS, owner_json, 1]), set()
+                return self.run(scripts.CANCEL, keys, [token, *self.limit_args]), set()
+            args = [token, TTL_MS, owner_json, 1, *self.limit_args]
+            return self.run(script, keys, args), set()
 
         reply, after = self.step(None, call)
         assert isinstance(reply, list) and reply[0] == 1, f"{owner} was refused: {reply!r}"
@@ -396,7 +423,7 @@ class SharedLockModel(RuleBasedStateMachine):
         token = owner.token
 
         def call() -> tuple[Any, set[str]]:
-            reply = self.run(scripts.CANCEL, self.keys.with_wake(token), [token])
+            reply = self.run(scripts.CANCEL, self.keys.with_wake(token), [token, *self.limit_args])
             return reply, (_woken(reply[1]) if reply[0] == 0 and len(reply) > 1 else set())
 
         reply, after = self.step(None, call, hands_on=lambda reply: True)
@@ -430,12 +457,15 @@ class SharedLockModel(RuleBasedStateMachine):
     def operator_reset(self) -> None:
         def call() -> tuple[Any, set[str]]:
             reply = self.run(scripts.RESET, self.keys.script_keys, [])
-            return reply, _woken(reply)
+            return reply, _woken(reply[1])
 
-        for owner in self.in_state("holding"):
+        holding = self.in_state("holding")
+        for owner in holding:
             owner.state = "lapsed"
         # A reset of a lock that was already gone (its lease ended) touches nothing.
-        self.step(None, call, hands_on=lambda reply: reply != 0)
+        reply, _ = self.step(None, call, hands_on=lambda reply: reply[0] != 0)
+        if self.timely():
+            assert reply[0] == len(holding), f"reset counted {reply[0]}, held by {holding}"
 
     @precondition(lambda self: self.in_state("holding"))
     @rule(index=pick)
@@ -477,6 +507,10 @@ class SharedLockModel(RuleBasedStateMachine):
             f"exclusive holder {self.describe(now.exclusive or '')} beside shared "
             f"holders {[self.describe(t) for t in readers]}"
         )
+        if self.limit:
+            assert len(readers) <= self.limit, (
+                f"{[self.describe(t) for t in readers]} hold a semaphore of limit {self.limit}"
+            )
         if not self.timely():
             return
         believed = {owner.token: owner.fence for owner in self.in_state("holding")}
@@ -530,5 +564,24 @@ def test_shared_and_exclusive_owners_follow_the_model(redis_url: str, mutex_pref
 
     try:
         run_state_machine_as_test(SharedLockModelOnTestRedis, settings=MODEL_SETTINGS)
+    finally:
+        client.close()
+
+
+@pytest.mark.timeout(900)
+def test_semaphore_holders_follow_the_model(redis_url: str, mutex_prefix: str) -> None:
+    """The same interleavings by the permits of a semaphore of limit one to three."""
+    client = redis.Redis.from_url(redis_url, decode_responses=True)
+
+    class SemaphoreModelOnTestRedis(SharedLockModel):
+        """The machine as a semaphore, bound to this test's Redis."""
+
+        semaphore = True
+
+        def __init__(self) -> None:
+            super().__init__(client, f"tests:{mutex_prefix}:sem")
+
+    try:
+        run_state_machine_as_test(SemaphoreModelOnTestRedis, settings=MODEL_SETTINGS)
     finally:
         client.close()

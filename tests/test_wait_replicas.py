@@ -530,12 +530,22 @@ def test_a_shared_hold_without_a_replica_is_refused(raw: redis.Redis) -> None:
 
 
 @pytest.mark.usefixtures("waits_without_replicas")
-def test_a_semaphore_refuses_an_alias_that_waits_for_replicas(raw: redis.Redis) -> None:
-    message = r"Semaphore 'exports' cannot use cache 'default': .*WAIT_REPLICAS"
-    with pytest.raises(ImproperlyConfigured, match=message):
-        Semaphore("exports", 2)
+def test_a_permit_without_a_replica_is_refused_and_given_back(raw: redis.Redis) -> None:
     ran = []
-    with pytest.raises(ImproperlyConfigured, match=message), semaphore("exports", 2):
+    with pytest.raises(LockNotReplicated), semaphore("exports", 2):
         ran.append(True)
     assert ran == []
     assert held_semaphores() == []
+
+
+@pytest.mark.usefixtures("replicated_caches")
+def test_a_permit_is_on_both_replicas_when_acquire_returns(servers: Replicated) -> None:
+    permit = Semaphore("exports", 2)
+    assert permit.acquire()
+    try:
+        assert [shared_record_on(replica, permit) for replica in servers.on_replicas] == [
+            True,
+            True,
+        ]
+    finally:
+        permit.release()
