@@ -2,8 +2,11 @@
 
 The unmanaged :class:`~django_redis_mutex.models.Lock` model gives the page its
 place in the admin index and its permissions (``view_lock`` to look,
-``release_lock`` to force-release a lock or reset a semaphore); every request is
-served by :mod:`django_redis_mutex.admin_views`, never by a database query.
+``release_lock`` to force-release a lock); the unmanaged
+:class:`~django_redis_mutex.models.Semaphore` model gives the semaphores listed
+on the same page theirs (``reset_semaphore``), with no page of its own. Every
+request is served by :mod:`django_redis_mutex.admin_views`, never by a
+database query.
 """
 
 from __future__ import annotations
@@ -16,7 +19,7 @@ from django.http import HttpRequest, HttpResponse
 from django.urls import URLPattern, path
 
 from . import admin_views
-from .models import Lock
+from .models import Lock, Semaphore
 
 __all__ = ["LockAdmin"]
 
@@ -38,6 +41,12 @@ class LockAdmin(admin.ModelAdmin):  # type: ignore[type-arg]
         """Return True if the user may force-release locks held by others."""
         codename = get_permission_codename("release", self.opts)
         return bool(request.user.has_perm(f"{self.opts.app_label}.{codename}"))
+
+    def has_reset_semaphore_permission(self, request: HttpRequest) -> bool:
+        """Return True if the user may free the permits of semaphores held by others."""
+        opts = Semaphore._meta
+        codename = get_permission_codename("reset", opts)
+        return bool(request.user.has_perm(f"{opts.app_label}.{codename}"))
 
     def get_urls(self) -> list[URLPattern]:
         # Only the list and the release page: the default add/change/delete/history

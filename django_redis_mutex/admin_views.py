@@ -18,20 +18,22 @@ selects (:meth:`~django_redis_mutex.filters.LockFilter.select`).
 The same page lists the counting semaphores with a permit held (read with
 :func:`~django_redis_mutex.semaphore.held_semaphores`), one row per permit, and
 :func:`reset_semaphores` frees every permit of the chosen ones with
-:func:`~django_redis_mutex.semaphore.reset_semaphore`, behind the permission
-and the confirm-then-POST flow of a lock release.
+:func:`~django_redis_mutex.semaphore.reset_semaphore`, through the
+confirm-then-POST flow of a lock release but behind a permission of its own
+(``reset_semaphore``, of :class:`~django_redis_mutex.models.Semaphore`), and
+recorded in the admin history as a semaphore, not a lock.
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from datetime import datetime
 from typing import Any, Protocol
 from urllib.parse import urlencode
 
 from django.contrib import messages
-from django.contrib.admin.models import DELETION, LogEntry
+from django.contrib.admin.models import CHANGE, DELETION, LogEntry
 from django.contrib.contenttypes.models import ContentType
 from django.core.exceptions import ImproperlyConfigured, PermissionDenied
 from django.http import HttpRequest, HttpResponse, HttpResponseNotAllowed, HttpResponseRedirect
@@ -57,7 +59,7 @@ from .introspection import (
     reset_listed,
 )
 from .keys import validate_name
-from .models import Lock
+from .models import Lock, Semaphore
 from .owners import Owner
 from .semaphore import HeldSemaphore, held_semaphores, reset_semaphore
 
@@ -71,6 +73,8 @@ class LockAdmin(Protocol):
     def has_view_permission(self, request: HttpRequest, obj: Any = None) -> bool: ...
 
     def has_release_permission(self, request: HttpRequest) -> bool: ...
+
+    def has_reset_semaphore_permission(self, request: HttpRequest) -> bool: ...
 
 
 __all__ = ["REFRESH_SECONDS", "lock_aliases", "lock_list", "release_locks", "reset_semaphores"]
@@ -280,6 +284,7 @@ def lock_list(
             "paused": paused,
             "refresh_seconds": 0 if paused else REFRESH_SECONDS,
             "can_release": model_admin.has_release_permission(request),
+            "can_reset_semaphores": model_admin.has_reset_semaphore_permission(request),
             "release_url": release_url,
             "locks": [],
             "total": 0,
@@ -417,40 +422,45 @@ def _log_release(request: HttpRequest, name: str, using: str, held: HeldLock | N
         "alias": using,
         "details": _describe(held),
     }
-    _log_deletion(request, name, message)
+    _log_entry(request, Lock(name=name), DELETION, message)
 
 
-def _log_deletion(request: HttpRequest, name: str, message: str) -> None:
-    """Add a deletion entry for ``name`` to the admin history of the Lock model."""
-    lock = Lock(name=name)
+def _log_entry(
+    request: HttpRequest, entry: Lock | Semaphore, action_flag: int, message: str
+) -> None:
+    """Add an entry for ``entry`` to the admin history, under the content type of its model."""
     user_id = request.user.pk
     if hasattr(LogEntry.objects, "log_actions"):  # Django 5.1+
-        LogEntry.objects.log_actions(user_id, [lock], DELETION, change_message=message)
+        LogEntry.objects.log_actions(user_id, [entry], action_flag, change_message=message)
     else:  # pragma: no cover - Django < 5.1 has only log_action
         LogEntry.objects.log_action(
             user_id=user_id,
-            content_type_id=ContentType.objects.get_for_model(Lock).pk,
-            object_id=name,
-            object_repr=name,
-            action_flag=DELETION,
+            content_type_id=ContentType.objects.get_for_model(type(entry)).pk,
+            object_id=entry.pk,
+            object_repr=str(entry),
+            action_flag=action_flag,
             change_message=message,
         )
 
 
 def _reset_request(
-    request: HttpRequest, model_admin: LockAdmin, title: str, template: str, listing: str
+    request: HttpRequest,
+    model_admin: LockAdmin,
+    has_permission: Callable[[HttpRequest], bool],
+    title: str,
+    template: str,
+    listing: str,
 ) -> HttpResponse | tuple[Any, str, str]:
     """Check what every confirm-then-POST view starts with; return (data, query, alias).
 
-    The method (GET shows the confirmation, POST acts), the release permission
-    (taking a lock or a permit from its holder needs it), and the alias; a
-    refusal comes back as the response to send instead.
+    The method (GET shows the confirmation, POST acts), the permission to see
+    the page and ``has_permission``, the one this view's action needs
+    (``release_lock`` for a lock, ``reset_semaphore`` for a semaphore), and the
+    alias; a refusal comes back as the response to send instead.
     """
     if request.method not in ("GET", "HEAD", "POST"):
         return HttpResponseNotAllowed(["GET", "HEAD", "POST"])
-    if not (
-        model_admin.has_view_permission(request) and model_admin.has_release_permission(request)
-    ):
+    if not (model_admin.has_view_permission(request) and has_permission(request)):
         raise PermissionDenied
     data = request.POST if request.method == "POST" else request.GET
     try:
@@ -466,7 +476,12 @@ def _reset_request(
 def release_locks(request: HttpRequest, model_admin: LockAdmin) -> HttpResponse:
     """Confirm (GET) and perform (POST) the force-release of the named locks."""
     checked = _reset_request(
-        request, model_admin, _("Release locks"), "django_redis_mutex/admin/release.html", "locks"
+        request,
+        model_admin,
+        model_admin.has_release_permission,
+        _("Release locks"),
+        "django_redis_mutex/admin/release.html",
+        "locks",
     )
     if isinstance(checked, HttpResponse):
         return checked
@@ -704,12 +719,14 @@ def reset_semaphores(request: HttpRequest, model_admin: LockAdmin) -> HttpRespon
     """Confirm (GET) and perform (POST) freeing every permit of the named semaphores.
 
     Resetting a semaphore takes permits from their holders as a release takes a
-    lock, so it needs the same permission and goes through the same
-    confirmation page and CSRF-protected POST.
+    lock, so it goes through the same confirmation page and CSRF-protected
+    POST; it is a different power over different work, so it needs its own
+    permission (``reset_semaphore``), not the lock's ``release_lock``.
     """
     checked = _reset_request(
         request,
         model_admin,
+        model_admin.has_reset_semaphore_permission,
         _("Reset semaphores"),
         "django_redis_mutex/admin/semaphore_reset.html",
         "semaphores",
@@ -812,13 +829,20 @@ def _perform_semaphore_reset(
 def _log_semaphore_reset(
     request: HttpRequest, name: str, using: str, freed: int, held: HeldSemaphore | None
 ) -> None:
-    """Record one semaphore reset in the admin history, with the holders it was read with."""
+    """Record one semaphore reset in the admin history of the Semaphore model.
+
+    The entry is a change, not a deletion as a lock release is: the semaphore
+    outlives its reset (its limit stays, the waiters in line are handed the
+    freed permits), only who holds its permits changed.
+    """
     holders = (
         "; ".join(str(holder.owner) for holder in held.holders)
         if held is not None
         else _("holders unknown: none was held when the page was read")
     )
-    message = _(
-        "Reset semaphore “%(name)s” in cache “%(alias)s”, freeing %(count)d permits (%(holders)s)."
+    message = ngettext(
+        "Reset semaphore “%(name)s” in cache “%(alias)s”, freeing %(count)d permit (%(holders)s).",
+        "Reset semaphore “%(name)s” in cache “%(alias)s”, freeing %(count)d permits (%(holders)s).",
+        freed,
     ) % {"name": name, "alias": using, "count": freed, "holders": holders}
-    _log_deletion(request, name, message)
+    _log_entry(request, Semaphore(name=name), CHANGE, message)

@@ -15,13 +15,14 @@ from collections.abc import Callable, Iterator
 
 import pytest
 from django.conf import settings
-from django.contrib.admin.models import DELETION, LogEntry
+from django.contrib.admin.models import CHANGE, DELETION, LogEntry
 from django.contrib.auth.models import Permission
 from django.contrib.contenttypes.models import ContentType
 from django.test import Client, override_settings
 
 from django_redis_mutex import LockLost, LockNotOwned, Mutex, Semaphore, held_semaphores, mutex
 from django_redis_mutex.models import Lock
+from django_redis_mutex.models import Semaphore as SemaphoreModel
 from django_redis_mutex.testing import free_port
 
 from .helpers import ROOT, held_shared, wait_until
@@ -34,7 +35,7 @@ RESET_SEMAPHORE_URL = LIST_URL + "reset-semaphore/"
 
 
 def _login(django_user_model, *codenames: str, csrf: bool = False) -> Client:
-    """Return a client logged in as a staff user holding the given Lock permissions."""
+    """Return a client logged in as a staff user holding the given permissions of this app."""
     user = django_user_model.objects.create_user(
         username="staff-" + "-".join(codenames), is_staff=True
     )  # no password: no slow hashing
@@ -63,6 +64,11 @@ def viewer(django_user_model) -> Client:
 @pytest.fixture
 def releaser(django_user_model) -> Client:
     return _login(django_user_model, "view_lock", "release_lock", csrf=True)
+
+
+@pytest.fixture
+def resetter(django_user_model) -> Client:
+    return _login(django_user_model, "view_lock", "reset_semaphore", csrf=True)
 
 
 @pytest.fixture
@@ -642,23 +648,61 @@ def test_no_semaphore_held_is_said_on_the_page(viewer):
     assert "No semaphore has a permit held in this cache." in response.content.decode()
 
 
-def test_releaser_gets_a_reset_link_per_semaphore(releaser, permit):
+def test_resetter_gets_a_reset_link_per_semaphore_and_no_release_controls(resetter, permit):
     permit("jobs:9", 2)
-    row = _semaphore_rows(releaser.get(LIST_URL))["jobs:9"]
+    with mutex("guarded"):
+        response = resetter.get(LIST_URL)
+    row = _semaphore_rows(response)["jobs:9"]
     assert row["reset_url"] == RESET_SEMAPHORE_URL + "?using=default&name=jobs%3A9"
+    assert "guarded" in _rows(response)
+    assert b"Release selected locks" not in response.content
+    assert RELEASE_URL.encode() not in response.content
+
+
+def test_lock_releaser_gets_no_reset_link(releaser, permit):
+    permit("jobs:9", 2)
+    response = releaser.get(LIST_URL)
+    assert "jobs:9" in _semaphore_rows(response)
+    assert RESET_SEMAPHORE_URL.encode() not in response.content
+
+
+def test_superuser_gets_release_and_reset_controls(superuser, permit, hold):
+    hold("guarded")
+    permit("jobs:9", 2)
+    html = superuser.get(LIST_URL).content.decode()
+    assert RELEASE_URL + "?using=default&amp;name=guarded" in html
+    assert RESET_SEMAPHORE_URL + "?using=default&amp;name=jobs%3A9" in html
 
 
 @pytest.mark.parametrize("method", ["get", "post"])
-def test_viewer_without_release_permission_is_forbidden_to_reset(viewer, method, permit):
+@pytest.mark.parametrize(
+    "codenames",
+    [("view_lock",), ("view_lock", "release_lock"), ("reset_semaphore",)],
+    ids=["viewer", "lock-releaser", "no-view"],
+)
+def test_reset_needs_view_lock_and_reset_semaphore(django_user_model, codenames, method, permit):
+    # No CSRF checks, so a refused POST is refused for its permissions.
+    staff = _login(django_user_model, *codenames)
     held = permit("exports", 1)
-    response = getattr(viewer, method)(RESET_SEMAPHORE_URL, {"name": "exports"})
+    response = getattr(staff, method)(RESET_SEMAPHORE_URL, {"name": "exports"})
     assert response.status_code == 403
     assert [h.token for s in held_semaphores() for h in s.holders] == [held.token]
+    assert not LogEntry.objects.exists()
 
 
-def test_reset_confirmation_lists_holders_and_keeps_them(releaser, permit):
+@pytest.mark.parametrize("method", ["get", "post"])
+def test_semaphore_resetter_is_forbidden_to_release_a_lock(django_user_model, method, hold):
+    staff = _login(django_user_model, "view_lock", "reset_semaphore")  # no CSRF checks
+    lock = hold("guarded")
+    response = getattr(staff, method)(RELEASE_URL, {"name": "guarded"})
+    assert response.status_code == 403
+    assert lock.locked() and lock.owned()
+    assert not LogEntry.objects.exists()
+
+
+def test_reset_confirmation_lists_holders_and_keeps_them(resetter, permit):
     held = permit("exports", 2, label="nightly export")
-    response = releaser.get(RESET_SEMAPHORE_URL, {"name": "exports"})
+    response = resetter.get(RESET_SEMAPHORE_URL, {"name": "exports"})
     assert response.status_code == 200
     assert [row["name"] for row in response.context["semaphores"]] == ["exports"]
     html = response.content.decode()
@@ -667,19 +711,19 @@ def test_reset_confirmation_lists_holders_and_keeps_them(releaser, permit):
     assert [h.token for s in held_semaphores() for h in s.holders] == [held.token]
 
 
-def test_reset_post_without_csrf_token_is_rejected(releaser, permit):
+def test_reset_post_without_csrf_token_is_rejected(resetter, permit):
     held = permit("exports", 1)
-    response = releaser.post(RESET_SEMAPHORE_URL, {"name": "exports"})
+    response = resetter.post(RESET_SEMAPHORE_URL, {"name": "exports"})
     assert response.status_code == 403
     assert [h.token for s in held_semaphores() for h in s.holders] == [held.token]
 
 
-def test_confirmed_reset_frees_every_permit_and_is_recorded(releaser, permit, hold):
+def test_confirmed_reset_frees_every_permit_and_is_recorded(resetter, permit, hold):
     lock = hold("exports")  # a lock of the same name is another thing, and stays
     first = permit("exports", 2, label="nightly export")
     permit("exports", 2)
-    page = releaser.get(RESET_SEMAPHORE_URL, {"name": "exports"})
-    response = releaser.post(
+    page = resetter.get(RESET_SEMAPHORE_URL, {"name": "exports"})
+    response = resetter.post(
         RESET_SEMAPHORE_URL,
         {"name": "exports", "csrfmiddlewaretoken": _csrf_token(page.content.decode())},
         follow=True,
@@ -695,18 +739,21 @@ def test_confirmed_reset_frees_every_permit_and_is_recorded(releaser, permit, ho
         first.release()
     assert permit("exports", 1)  # a fresh acquire succeeds
     entry = LogEntry.objects.get()
-    assert (entry.object_repr, entry.action_flag) == ("exports", DELETION)
+    assert entry.content_type == ContentType.objects.get_for_model(SemaphoreModel)
+    assert (entry.object_id, entry.object_repr) == ("exports", "exports")
+    assert entry.action_flag == CHANGE  # the semaphore stays; its permits changed hands
+    assert entry.user.username == "staff-view_lock-reset_semaphore"
     assert "Reset semaphore “exports” in cache “default”, freeing 2 permits" in (
         entry.change_message
     )
     assert "nightly export" in entry.change_message
 
 
-def test_reset_hands_the_freed_permit_to_the_waiter(releaser, permit):
+def test_reset_hands_the_freed_permit_to_the_waiter(resetter, permit):
     permit("exports", 1)
     with _waiter("exports", 1) as got:
-        page = releaser.get(RESET_SEMAPHORE_URL, {"name": "exports"})
-        releaser.post(
+        page = resetter.get(RESET_SEMAPHORE_URL, {"name": "exports"})
+        resetter.post(
             RESET_SEMAPHORE_URL,
             {"name": "exports", "csrfmiddlewaretoken": _csrf_token(page.content.decode())},
         )
@@ -716,11 +763,11 @@ def test_reset_hands_the_freed_permit_to_the_waiter(releaser, permit):
         assert [h.token for h in held.holders] == [got["handle"].token]
 
 
-def test_reset_of_semaphore_no_longer_held_says_so(releaser, permit):
+def test_reset_of_semaphore_no_longer_held_says_so(resetter, permit):
     held = permit("exports", 1)
-    page = releaser.get(RESET_SEMAPHORE_URL, {"name": "exports"})
+    page = resetter.get(RESET_SEMAPHORE_URL, {"name": "exports"})
     held.release()
-    response = releaser.post(
+    response = resetter.post(
         RESET_SEMAPHORE_URL,
         {"name": "exports", "csrfmiddlewaretoken": _csrf_token(page.content.decode())},
         follow=True,
@@ -731,14 +778,14 @@ def test_reset_of_semaphore_no_longer_held_says_so(releaser, permit):
     assert not LogEntry.objects.exists()
 
 
-def test_reset_of_semaphore_not_held_goes_back_to_the_list(releaser):
-    response = releaser.get(RESET_SEMAPHORE_URL, {"name": "never-taken"}, follow=True)
+def test_reset_of_semaphore_not_held_goes_back_to_the_list(resetter):
+    response = resetter.get(RESET_SEMAPHORE_URL, {"name": "never-taken"}, follow=True)
     assert [str(m) for m in response.context["messages"]] == [
         "None of the selected semaphores is held any more."
     ]
 
 
-def test_reset_in_unknown_alias_is_explained(releaser):
-    response = releaser.get(RESET_SEMAPHORE_URL, {"name": "exports", "using": "nope"})
+def test_reset_in_unknown_alias_is_explained(resetter):
+    response = resetter.get(RESET_SEMAPHORE_URL, {"name": "exports", "using": "nope"})
     assert response.status_code == 404
     assert "Cache alias “nope” does not carry locks" in response.context["error"]

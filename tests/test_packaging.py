@@ -40,6 +40,7 @@ REQUIRED_FILES = (
     "django_redis_mutex/static/django_redis_mutex/admin/locks.js",
     "django_redis_mutex/migrations/__init__.py",
     "django_redis_mutex/migrations/0001_initial.py",
+    "django_redis_mutex/migrations/0002_semaphore.py",
     "django_redis_mutex/management/__init__.py",
     "django_redis_mutex/management/commands/__init__.py",
     "django_redis_mutex/management/commands/locks.py",
@@ -351,7 +352,7 @@ def test_installed_public_names_take_a_lock_on_redis(
     ]
 
 
-def test_installed_app_migrates_and_creates_the_release_permission(
+def test_installed_app_migrates_and_creates_its_permissions(
     installed: Path, project: Path, redis_url: str, mutex_prefix: str
 ) -> None:
     migrate = _django(
@@ -376,7 +377,7 @@ def test_installed_app_migrates_and_creates_the_release_permission(
     """)
     done = _django(installed, project, redis_url, mutex_prefix, "-c", code)
     assert done.returncode == 0, done.stderr
-    assert done.stdout.strip() == "['release_lock', 'view_lock']"
+    assert done.stdout.strip() == "['release_lock', 'reset_semaphore', 'view_lock']"
 
 
 def test_installed_app_finds_its_templates_and_static_files(
