@@ -141,7 +141,7 @@ class Mutex:
     def __new__(cls, name: str, *, using: str | Sequence[str] = "default", **options: Any) -> Mutex:
         # A list of aliases, or an alias whose MUTEX block names a QUORUM, makes
         # a Redlock-style quorum lock with the same interface.
-        if cls is Mutex and _wants_quorum(using):
+        if cls is Mutex and wants_quorum(using):
             assert Mutex.quorum_class is not None  # registered by the package's import
             return super().__new__(Mutex.quorum_class)
         return super().__new__(cls)
@@ -191,7 +191,7 @@ class Mutex:
             "release_at_block_end", release_at_block_end
         )
         self.label = validate_label(label)
-        self.keys = LockKeys.for_name(namespace(using), self.name)
+        self.keys = self._keys_on(using)
         # One entry per level this handle holds; a nested level repeats its hold.
         self._levels: list[Hold] = []
         # One entry per entered with block, so each exit leaves what its enter took.
@@ -249,6 +249,10 @@ class Mutex:
         return LockContended(self.name, retry_after=retry_after, owner=owner, waited=waited)
 
     # -- where the lock lives (a quorum lock overrides these) ----------------
+
+    def _keys_on(self, alias: str) -> LockKeys:
+        """Return this handle's keys in ``alias``'s namespace (a semaphore's are its own)."""
+        return LockKeys.for_name(namespace(alias), self.name)
 
     def _targets(self) -> tuple[tuple[str, str], ...]:
         """Return (alias, lock key) of every Redis this lock lives on."""
@@ -552,7 +556,7 @@ class Mutex:
         # A shared token starts with "s", which no hex token does: the scripts
         # tell shared holders and waiters from exclusive ones by it.
         token = (
-            "s" + secrets.token_hex(16)
+            "s" + self.token_prefix + secrets.token_hex(16)
             if self.shared
             else self.token_prefix + secrets.token_hex(16)
         )
@@ -1440,7 +1444,7 @@ def _tell_waiting(alias: str, name: str, waiting: bool) -> None:
             logger.error("lock_waiting receiver %r failed: %r", receiver, error)
 
 
-def _wants_quorum(using: object) -> bool:
+def wants_quorum(using: object) -> bool:
     if isinstance(using, (list, tuple)):
         return len(using) > 1
     if isinstance(using, str):

@@ -33,7 +33,7 @@ from django.core.exceptions import ImproperlyConfigured
 from redis.exceptions import ResponseError
 
 from . import scripts
-from .client import UNAVAILABLE, get_client, namespace
+from .client import UNAVAILABLE, get_client
 from .conf import get_settings, validate_aliases
 from .driver import Each, Fanned, Sleep, Steps
 from .exceptions import LockBackendUnavailable
@@ -73,11 +73,6 @@ class QuorumMutex(Mutex):
         aliases = _quorum_aliases(using)
         super().__init__(name, using=using if isinstance(using, str) else aliases[0], **options)
         self.aliases = aliases
-        if self.shared:
-            raise ImproperlyConfigured(
-                f"Lock {self.name!r} cannot be shared on a quorum of masters: shared "
-                "locks live on one Redis (a master with replicas, Sentinel or Cluster)."
-            )
         for alias in aliases:
             if get_settings(alias).wait_replicas:
                 raise ImproperlyConfigured(
@@ -85,15 +80,22 @@ class QuorumMutex(Mutex):
                     "block sets WAIT_REPLICAS, which is for one master and its replicas, "
                     "not for a quorum of masters."
                 )
-        self.quorum = len(aliases) // 2 + 1
-        self.member_keys = {
-            alias: LockKeys.for_name(namespace(alias), self.name) for alias in aliases
-        }
+        self.quorum = self._quorum_of(len(aliases))
+        self.member_keys = {alias: self._keys_on(alias) for alias in aliases}
         self.master_timeout = self.settings.quorum_timeout
 
     def __repr__(self) -> str:
         state = f"fence={self.fence}" if self._current() is not None else "unlocked"
         return f"<QuorumMutex {self.name!r} using={list(self.aliases)!r} {state}>"
+
+    def _quorum_of(self, members: int) -> int:
+        """Return how many masters must grant a hold: a majority.
+
+        Any two majorities share a master, which admits an exclusive holder
+        only alone: so an exclusive hold excludes every other hold, shared or
+        not, while shared holds may overlap.
+        """
+        return members // 2 + 1
 
     def _targets(self) -> tuple[tuple[str, str], ...]:
         return tuple((alias, self.member_keys[alias].lock) for alias in self.aliases)
@@ -186,7 +188,9 @@ class QuorumMutex(Mutex):
         # check-in.
         release_all = self._each(scripts.RELEASE, _queue_keys, [token])
         acquire = self._each(
-            scripts.ACQUIRE, lambda keys: keys.with_wake(token), self._acquire_args(token, False)
+            self._acquire_script,
+            lambda keys: keys.with_wake(token),
+            self._acquire_args(token, False),
         )
         while True:
             fanned = yield acquire

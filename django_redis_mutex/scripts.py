@@ -655,9 +655,9 @@ return 1
 
 
 # HELD_ALONE: does a lock taken on this Redis alone (not a quorum's, whose
-# tokens start with 'q') hold the lock here? Asked by a quorum acquisition that
-# a master refused: a name means one lock, whether it is taken on one member
-# or on the quorum.
+# tokens start with 'q', or 'sq' held shared) hold the lock here? Asked by a
+# quorum acquisition that a master refused: a name means one lock, whether it
+# is taken on one member or on the quorum.
 # KEYS[1] lock.  Returns 1 if such a lock holds it (exclusive or shared), else 0.
 HELD_ALONE = LuaScript(
     "held_alone",
@@ -667,7 +667,17 @@ if token then
   if string.sub(token, 1, 1) == 'q' then return 0 end
   return 1
 end
-return redis.call('EXISTS', KEYS[1])
+local clock = redis.call('TIME')
+local now_ms = tonumber(clock[1]) * 1000 + math.floor(tonumber(clock[2]) / 1000)
+local fields = redis.call('HGETALL', KEYS[1])
+for i = 1, #fields, 2 do
+  local field = fields[i]
+  if string.sub(field, 1, 2) == 'r:' and string.sub(field, 1, 4) ~= 'r:sq' then
+    local sep = string.find(fields[i + 1], '|', 1, true)
+    if sep and tonumber(string.sub(fields[i + 1], 1, sep - 1)) > now_ms then return 1 end
+  end
+end
+return 0
 """,
 )
 

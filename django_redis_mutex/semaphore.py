@@ -19,23 +19,21 @@ Signals are the lock's, with ``kind="semaphore"`` among their arguments.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from typing import Any
 
-from django.core.exceptions import ImproperlyConfigured
-
 from .client import backend_errors, get_client, namespace, server_ms
-from .conf import get_settings
 from .decorators import MutexContext
 from .driver import run_steps
 from .handoff import reset_steps
 from .holds import decode
 from .introspection import parse_shared, scanned_keys
 from .keys import LockKeys, semaphore_pattern, validate_name
-from .lock import DEFAULT, Mutex
+from .lock import DEFAULT, Mutex, wants_quorum
 from .owners import Owner
+from .quorum import QuorumMutex
 
 __all__ = [
     "HeldSemaphore",
@@ -81,7 +79,13 @@ class Semaphore(Mutex):
     kind = "semaphore"
     _kind_signal = {"kind": "semaphore"}
 
+    # The quorum variant registers itself here (see below), as for a lock.
+    quorum_class: type[Semaphore] | None = None
+
     def __new__(cls, name: str, limit: int, **options: Any) -> Semaphore:
+        if cls is Semaphore and wants_quorum(options.get("using", "default")):
+            assert Semaphore.quorum_class is not None
+            return object.__new__(Semaphore.quorum_class)
         return object.__new__(cls)
 
     def __init__(
@@ -89,7 +93,7 @@ class Semaphore(Mutex):
         name: str,
         limit: int,
         *,
-        using: str = "default",
+        using: str | Sequence[str] = "default",
         ttl: float = DEFAULT,
         timeout: float | None = DEFAULT,
         blocking: bool = DEFAULT,
@@ -101,17 +105,6 @@ class Semaphore(Mutex):
         #: How many holders may hold this semaphore at once.
         self.limit: int = validate_limit(limit)
         self._limit_args = (self.limit,)
-        if not isinstance(using, str):
-            raise TypeError(
-                f"A semaphore lives on one cache alias: using must be a string, "
-                f"not {type(using).__name__}."
-            )
-        if get_settings(using).quorum is not None:
-            raise ImproperlyConfigured(
-                f"Semaphore {name!r} cannot use cache {using!r}: its MUTEX block names a "
-                "QUORUM, and a semaphore lives on one Redis (a master with replicas, "
-                "Sentinel or Cluster). Use one of the quorum's member aliases."
-            )
         super().__init__(
             name,
             using=using,
@@ -124,15 +117,40 @@ class Semaphore(Mutex):
             shared=True,
             release_at_block_end=release_at_block_end,
         )
-        self.keys = LockKeys.for_semaphore(namespace(using), self.name)
 
     def __repr__(self) -> str:
         return f"<Semaphore {self.name!r} limit={self.limit} using={self.using!r}>"
+
+    def _keys_on(self, alias: str) -> LockKeys:
+        return LockKeys.for_semaphore(namespace(alias), self.name)
 
     @property
     def ttl(self) -> float:  # type: ignore[override]
         """The lease of each permit, in seconds (``lease`` on a lock handle)."""
         return self.lease
+
+
+class QuorumSemaphore(Semaphore, QuorumMutex):
+    """A :class:`Semaphore` held on enough of several independent Redis masters.
+
+    Built by ``Semaphore(name, limit, using=["r1", "r2", "r3"])`` or with an
+    alias whose ``MUTEX`` block names a ``QUORUM``. A majority is not enough
+    for a limit above one: with three masters and a limit of two, three
+    holders could each hold on a different pair of masters, two per master.
+    Each permit is granted by more than ``masters * limit / (limit + 1)``
+    masters instead, so ``limit + 1`` holders would need more grants than the
+    masters together admit. The price is availability: a limit of two on
+    three masters needs all three.
+    """
+
+    def __repr__(self) -> str:
+        return f"<QuorumSemaphore {self.name!r} limit={self.limit} using={list(self.aliases)!r}>"
+
+    def _quorum_of(self, members: int) -> int:
+        return members * self.limit // (self.limit + 1) + 1
+
+
+Semaphore.quorum_class = QuorumSemaphore
 
 
 # -- semaphore(): with, async with, decorator -----------------------------------

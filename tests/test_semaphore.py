@@ -578,8 +578,8 @@ def test_bad_names_and_options_are_refused_naming_the_problem() -> None:
         Semaphore("", 1)
     with pytest.raises(TypeError, match="must be a string"):
         Semaphore(3, 1)  # type: ignore[arg-type]
-    with pytest.raises(TypeError, match="one cache alias"):
-        Semaphore("x", 1, using=["default"])  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="using must be a cache alias"):
+        Semaphore("x", 1, using=3)  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="non-blocking"):
         Semaphore("x", 1, blocking=False, timeout=2)
     with pytest.raises(ValueError, match="non-blocking"):
