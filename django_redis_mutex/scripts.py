@@ -629,6 +629,21 @@ return redis.call('EXISTS', KEYS[1])
 )
 
 
+# READ_STATE: who holds the lock on this Redis and for how long, read at one
+# instant, changing nothing. A script rather than plain commands so that a
+# quorum asks every master with it at once, each within its own deadline, as
+# it does with its other scripts.
+# KEYS[1] lock.  Returns {token or '', pttl ms of the lock (-2: no lock),
+# owner JSON or ''}.
+READ_STATE = LuaScript(
+    "read_state",
+    r"""
+return {redis.call('HGET', KEYS[1], 'token') or '', redis.call('PTTL', KEYS[1]),
+        redis.call('HGET', KEYS[1], 'owner') or ''}
+""",
+)
+
+
 # RAISE_FENCE: after a quorum acquisition, make every master's counter at least
 # the fence handed out, so the next majority (which overlaps this one) counts on
 # from above it.
