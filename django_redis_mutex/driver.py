@@ -1,12 +1,13 @@
 """The I/O half of every lock operation: run the steps a lock decides on.
 
-A lock operation (acquire with its wait, release, extend, confirm) is written
-once, in :mod:`django_redis_mutex.lock` and :mod:`django_redis_mutex.quorum`, as
-a generator that yields what to do next (run a script, ask every quorum master,
-block on a wake-up list, sleep) and receives what came of it. The generator
-holds every decision and does no I/O; :func:`run_steps` drives it with
-blocking redis-py calls and :class:`AsyncDriver` with redis.asyncio, so the sync
-and async paths cannot drift apart.
+A lock operation (acquire with its wait, release, extend, confirm, a read of
+its state) is written once, in :mod:`django_redis_mutex.lock` and
+:mod:`django_redis_mutex.quorum`, as a generator that yields what to do next
+(run a script, send a plain read, ask every quorum master, block on a wake-up
+list, sleep) and receives what came of it. The generator holds every decision
+and does no I/O; :func:`run_steps` drives it with blocking redis-py calls and
+:class:`AsyncDriver` with redis.asyncio, so the sync and async paths cannot
+drift apart.
 
 Every answer carries the time its command was *sent*: a lease granted or
 renewed by a command is counted from then, never from when the reply was read.
@@ -43,6 +44,7 @@ __all__ = [
     "Each",
     "Fanned",
     "Pop",
+    "Read",
     "Script",
     "Sleep",
     "Steps",
@@ -116,13 +118,20 @@ class Pop(NamedTuple):
     longest: float  # the longest wait this acquisition ever asks for
 
 
+class Read(NamedTuple):
+    """Send one plain command (a read: HGET, TIME...) to one Redis; the answer is its reply."""
+
+    alias: str
+    command: tuple[Any, ...]
+
+
 class Sleep(NamedTuple):
     """Sleep locally (the last Redis timer tick before a holder's expiry, a quorum retry)."""
 
     seconds: float
 
 
-Op = Script | Each | Pop | Sleep | Acknowledged
+Op = Script | Each | Pop | Sleep | Acknowledged | Read
 Steps = Generator[Op, Any, T]
 
 # Answers that mean a master could not be asked (not that it refused).
@@ -178,6 +187,8 @@ def _do(op: Op) -> Any:
             client, op.script, op.keys, op.args, op.replicas, op.timeout
         )
         return sent, reply, acknowledged
+    if isinstance(op, Read):
+        return get_client(op.alias).execute_command(*op.command)
     time.sleep(op.seconds)
     return None
 
@@ -393,6 +404,8 @@ class AsyncDriver:
                 return sent, reply, acknowledged
             finally:
                 self.in_script = False
+        if isinstance(op, Read):
+            return await (await get_async_client(op.alias)).execute_command(*op.command)
         await asyncio.sleep(op.seconds)
         return None
 

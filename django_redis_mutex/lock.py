@@ -31,13 +31,14 @@ from typing import Any, Literal, NamedTuple
 from redis import exceptions as redis_errors
 
 from . import scripts, signals
-from .client import backend_errors, get_async_client, get_client, namespace, server_ms
+from .client import backend_errors, namespace, server_ms
 from .conf import MutexSettings, get_settings, validate_flag, validate_timeout, validate_ttl
 from .driver import (
     REDIS_TICK,
     Acknowledged,
     AsyncDriver,
     Pop,
+    Read,
     Script,
     Sleep,
     Steps,
@@ -1107,85 +1108,35 @@ class Mutex:
             ok = await AsyncDriver().run(self._extend_steps(hold, ttl))
         self._extended(hold, ttl, ok)
 
-    def _state_from(self, token: Any, pttl: int) -> float:
-        hold = self._current()
-        if hold is None or decode(token) != hold.token or pttl < 0:
-            return 0.0
-        return pttl / 1000
-
     def time_left(self) -> float:
         """Return the seconds left on this handle's lease (asks Redis), 0.0 if it holds none."""
-        hold = self._current()
-        if hold is None:
-            return 0.0
         with backend_errors(self.name, self.using):
-            if hold.shared:
-                client = get_client(self.using)
-                record = client.hget(self.keys.lock, "r:" + hold.token)
-                return _shared_left(record, client.time() if record else None)
-            pipe = get_client(self.using).pipeline(transaction=False)
-            pipe.hget(self.keys.lock, "token")
-            pipe.pttl(self.keys.lock)
-            token, pttl = pipe.execute()
-        return self._state_from(token, pttl)
+            return run_steps(self._time_left_steps())
 
     async def atime_left(self) -> float:
         """Async twin of :meth:`time_left`."""
-        hold = self._current()
-        if hold is None:
-            return 0.0
         with backend_errors(self.name, self.using):
-            if hold.shared:
-                client = await get_async_client(self.using)
-                record = await client.hget(self.keys.lock, "r:" + hold.token)
-                return _shared_left(record, (await client.time()) if record else None)
-            pipe = (await get_async_client(self.using)).pipeline(transaction=False)
-            pipe.hget(self.keys.lock, "token")
-            pipe.pttl(self.keys.lock)
-            token, pttl = await pipe.execute()
-        return self._state_from(token, pttl)
+            return await AsyncDriver().run(self._time_left_steps())
 
     def owned(self) -> bool:
         """Return True if this handle holds the lock right now (asks Redis)."""
-        hold = self._current()
-        if hold is None:
-            return False
         with backend_errors(self.name, self.using):
-            if hold.shared:
-                client = get_client(self.using)
-                record = client.hget(self.keys.lock, "r:" + hold.token)
-                return _shared_left(record, client.time() if record else None) > 0
-            token = get_client(self.using).hget(self.keys.lock, "token")
-        return decode(token) == hold.token
+            return run_steps(self._owned_steps())
 
     async def aowned(self) -> bool:
         """Async twin of :meth:`owned`."""
-        hold = self._current()
-        if hold is None:
-            return False
         with backend_errors(self.name, self.using):
-            client = await get_async_client(self.using)
-            if hold.shared:
-                record = await client.hget(self.keys.lock, "r:" + hold.token)
-                return _shared_left(record, (await client.time()) if record else None) > 0
-            token = await client.hget(self.keys.lock, "token")
-        return decode(token) == hold.token
+            return await AsyncDriver().run(self._owned_steps())
 
     def locked(self) -> bool:
         """Return True if anyone holds the lock right now."""
         with backend_errors(self.name, self.using):
-            client = get_client(self.using)
-            fields = client.hgetall(self.keys.lock)
-            clock = client.time() if _held_shared(fields) else None
-        return _holder_owner(fields, clock) is not None
+            return run_steps(self._holder_steps()) is not None
 
     async def alocked(self) -> bool:
         """Async twin of :meth:`locked`."""
         with backend_errors(self.name, self.using):
-            client = await get_async_client(self.using)
-            fields = await client.hgetall(self.keys.lock)
-            clock = (await client.time()) if _held_shared(fields) else None
-        return _holder_owner(fields, clock) is not None
+            return await AsyncDriver().run(self._holder_steps()) is not None
 
     def ttl(self) -> float:
         """Deprecated name of :meth:`time_left` (``ttl=`` is the lease length)."""
@@ -1204,18 +1155,40 @@ class Mutex:
         :func:`~django_redis_mutex.held_locks` for all of them).
         """
         with backend_errors(self.name, self.using):
-            client = get_client(self.using)
-            fields = client.hgetall(self.keys.lock)
-            clock = client.time() if _held_shared(fields) else None
-        return _holder_owner(fields, clock) or None
+            return run_steps(self._holder_steps()) or None
 
     async def aowner(self) -> Owner | None:
         """Async twin of :meth:`owner`."""
         with backend_errors(self.name, self.using):
-            client = await get_async_client(self.using)
-            fields = await client.hgetall(self.keys.lock)
-            clock = (await client.time()) if _held_shared(fields) else None
-        return _holder_owner(fields, clock) or None
+            return await AsyncDriver().run(self._holder_steps()) or None
+
+    def _time_left_steps(self) -> Steps[float]:
+        hold = self._current()
+        if hold is None:
+            return 0.0
+        # What is left of our own hold, exclusive or shared, at one instant.
+        _sent, state = yield Script(self.using, scripts.READ_STATE, (self.keys.lock,), [hold.token])
+        return max(int(state[3]), 0) / 1000
+
+    def _owned_steps(self) -> Steps[bool]:
+        hold = self._current()
+        if hold is None:
+            return False
+        if hold.shared:
+            return (yield from self._shared_left_steps(hold)) > 0
+        token = yield Read(self.using, ("HGET", self.keys.lock, "token"))
+        return decode(token) == hold.token
+
+    def _holder_steps(self) -> Steps[Owner | Literal[""] | None]:
+        """Return the holder's owner, "" when it cannot be read, None when the lock is free."""
+        fields = yield Read(self.using, ("HGETALL", self.keys.lock))
+        clock = (yield Read(self.using, ("TIME",))) if _held_shared(fields) else None
+        return _holder_owner(fields, clock)
+
+    def _shared_left_steps(self, hold: Hold) -> Steps[float]:
+        record = yield Read(self.using, ("HGET", self.keys.lock, "r:" + hold.token))
+        clock = (yield Read(self.using, ("TIME",))) if record else None
+        return _shared_left(record, clock)
 
     # -- context manager -----------------------------------------------------
     #

@@ -23,17 +23,14 @@ majority overlaps this one, so its fence is larger still.
 
 from __future__ import annotations
 
-import asyncio
 import random
 import time
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, Literal, NamedTuple
 
 from django.core.exceptions import ImproperlyConfigured
-from redis.exceptions import ResponseError
 
 from . import scripts
-from .client import UNAVAILABLE, get_client
 from .conf import get_settings, validate_aliases
 from .driver import Each, Fanned, Sleep, Steps
 from .exceptions import LockBackendUnavailable
@@ -65,6 +62,13 @@ class QuorumMutex(Mutex):
     the same ``using``, or with an alias whose ``MUTEX`` block has
     ``"QUORUM": [...]``. Settings (TTL, TIMEOUT, QUORUM_TIMEOUT, ...) come from
     that alias, or from the first alias of the list.
+
+    Its reads count masters: :meth:`~Mutex.owned` while a majority hold this
+    handle's token, :meth:`~Mutex.time_left` until fewer than a majority still
+    hold its lease, :meth:`~Mutex.locked` and :meth:`~Mutex.owner` for one
+    owner holding a majority. Like every quorum operation they ask the masters
+    all at once, each within QUORUM_TIMEOUT, and raise LockBackendUnavailable
+    when too few answer to make a majority.
     """
 
     token_prefix = "q"
@@ -253,80 +257,55 @@ class QuorumMutex(Mutex):
 
     # -- inspect ------------------------------------------------------------------
 
-    def _states(self) -> list[tuple[str, int, str]]:
-        """Return (token, pttl, owner JSON) per reachable master."""
+    def _states_steps(self, token: str = "") -> Steps[list[_State]]:
+        """Return what each master that answered within QUORUM_TIMEOUT says (see READ_STATE)."""
+        fanned = yield self._each(scripts.READ_STATE, _lock_key, [token])
+        if self._too_many_down(fanned.errors):
+            raise self._unavailable(fanned.errors, "inspect")
         states = []
-        errors: dict[str, BaseException] = {}
-        for alias in self.aliases:
-            key = self.member_keys[alias].lock
-            try:
-                pipe = get_client(alias).pipeline(transaction=False)
-                pipe.hget(key, "token")
-                pipe.pttl(key)
-                pipe.hget(key, "owner")
-                token, pttl, owner = pipe.execute()
-            except (*UNAVAILABLE, ResponseError) as exc:
-                errors[alias] = exc
-                continue
-            states.append((decode(token), int(pttl), decode(owner)))
-        if len(errors) > len(self.aliases) - self.quorum:
-            raise self._unavailable(errors, "inspect")
+        for holder, pttl, owner, mine, shared, owners in fanned.replies.values():
+            holders = {decode(holder): decode(owner)} if holder else {}
+            holders.update(zip(map(decode, shared), map(decode, owners), strict=True))
+            states.append(_State(holders, int(pttl), int(mine)))
         return states
 
-    def time_left(self) -> float:
+    def _time_left_steps(self) -> Steps[float]:
         """Return the seconds until fewer than a majority of masters still hold our lease."""
         hold = self._current()
         if hold is None:
             return 0.0
-        mine = sorted(
-            (pttl for token, pttl, _ in self._states() if token == hold.token and pttl > 0),
-            reverse=True,
-        )
+        states = yield from self._states_steps(hold.token)
+        mine = sorted((state.mine for state in states if state.mine > 0), reverse=True)
         return mine[self.quorum - 1] / 1000 if len(mine) >= self.quorum else 0.0
 
-    def owned(self) -> bool:
-        """Return True if a majority of masters hold this handle's token."""
+    def _owned_steps(self) -> Steps[bool]:
+        """Return True if a majority of masters hold this handle's hold."""
         hold = self._current()
         if hold is None:
             return False
-        return sum(1 for state in self._states() if state[0] == hold.token) >= self.quorum
+        states = yield from self._states_steps(hold.token)
+        return sum(1 for state in states if state.mine > 0) >= self.quorum
 
-    def locked(self) -> bool:
-        """Return True if one owner holds the lock on a majority of masters."""
-        counts: dict[str, int] = {}
-        for token, _pttl, _owner in self._states():
-            if token:
-                counts[token] = counts.get(token, 0) + 1
-        return any(count >= self.quorum for count in counts.values())
-
-    def owner(self) -> Owner | None:
-        """Return the metadata of the owner holding a majority, or None."""
+    def _holder_steps(self) -> Steps[Owner | Literal[""] | None]:
+        """Return an owner holding a majority ("" if unreadable), or None."""
         counts: dict[str, int] = {}
         owners: dict[str, str] = {}
-        for token, _pttl, owner in self._states():
-            if token:
+        for state in (yield from self._states_steps()):
+            for token, owner in state.holders.items():
                 counts[token] = counts.get(token, 0) + 1
                 owners[token] = owner
         for token, count in counts.items():
             if count >= self.quorum:
-                return parse_owner(owners[token])
+                return parse_owner(owners[token]) or ""
         return None
 
-    async def atime_left(self) -> float:
-        """Async twin of :meth:`time_left` (asks the masters from a worker thread)."""
-        return await asyncio.to_thread(self.time_left)
 
-    async def aowned(self) -> bool:
-        """Async twin of :meth:`owned`."""
-        return await asyncio.to_thread(self.owned)
+class _State(NamedTuple):
+    """What one master says of a quorum lock: its holders' owners, pttl, the caller's ms left."""
 
-    async def alocked(self) -> bool:
-        """Async twin of :meth:`locked`."""
-        return await asyncio.to_thread(self.locked)
-
-    async def aowner(self) -> Owner | None:
-        """Async twin of :meth:`owner`."""
-        return await asyncio.to_thread(self.owner)
+    holders: dict[str, str]
+    pttl: int
+    mine: int
 
 
 def _queue_keys(keys: LockKeys) -> tuple[str, ...]:

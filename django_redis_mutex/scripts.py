@@ -682,6 +682,48 @@ return 0
 )
 
 
+# READ_STATE: who holds the lock on this Redis and for how long, read at one
+# instant, changing nothing. A script rather than plain commands so that a
+# quorum asks every master with it at once, each within its own deadline, as
+# it does with its other scripts.
+# KEYS[1] lock.  ARGV[1] the caller's token, or ''.
+# Returns {exclusive holder's token or '', pttl ms of the lock (-2: no lock),
+# its owner JSON or '', ms left of ARGV[1]'s hold here (0: none), the live
+# shared holders' tokens, their owner JSONs}.
+READ_STATE = LuaScript(
+    "read_state",
+    r"""
+local token = redis.call('HGET', KEYS[1], 'token')
+local pttl = redis.call('PTTL', KEYS[1])
+if token then
+  local mine = 0
+  if token == ARGV[1] then mine = pttl end
+  return {token, pttl, redis.call('HGET', KEYS[1], 'owner') or '', mine, {}, {}}
+end
+-- Held shared, or not at all: '<lease end ms>|<fence>|<taken ms>|<owner JSON>' each.
+local clock = redis.call('TIME')
+local now_ms = tonumber(clock[1]) * 1000 + math.floor(tonumber(clock[2]) / 1000)
+local fields = redis.call('HGETALL', KEYS[1])
+local tokens, owners, mine = {}, {}, 0
+for i = 1, #fields, 2 do
+  if string.sub(fields[i], 1, 2) == 'r:' then
+    local record = fields[i + 1]
+    local a = string.find(record, '|', 1, true)
+    local ends = tonumber(string.sub(record, 1, a - 1))
+    if ends > now_ms then
+      local b = string.find(record, '|', a + 1, true)
+      local c = string.find(record, '|', b + 1, true)
+      tokens[#tokens + 1] = string.sub(fields[i], 3)
+      owners[#owners + 1] = string.sub(record, c + 1)
+      if tokens[#tokens] == ARGV[1] then mine = ends - now_ms end
+    end
+  end
+end
+return {'', pttl, '', mine, tokens, owners}
+""",
+)
+
+
 # RAISE_FENCE: after a quorum acquisition, make every master's counter at least
 # the fence handed out, so the next majority (which overlaps this one) counts on
 # from above it.

@@ -55,6 +55,8 @@ def test_shared_holds_on_a_quorum_overlap_and_exclude_a_writer(
     assert first.fence != second.fence
     for server in quorum_caches:
         assert holders_on(server, first) == {first.token, second.token}
+    assert first.owned() and second.owned() and first.locked()
+    assert 0 < first.time_left() <= 30 and first.owner() is not None
     writer = Mutex("report", using=ALIASES, blocking=False)
     assert not writer.acquire()
     first.release()
@@ -142,3 +144,5 @@ def test_a_quorum_semaphore_of_two_needs_every_master_and_says_so(
     with semaphore("exports", 1, using="locks") as held:  # a limit of one needs a majority
         live = (quorum_caches[0], quorum_caches[2])
         assert all(holders_on(server, held) == {held.token} for server in live)
+        assert held.owned() and 0 < held.time_left() <= 30
+        assert held.locked() and (owner := held.owner()) is not None and owner.pid > 0
