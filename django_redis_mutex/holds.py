@@ -155,6 +155,10 @@ class Hold:
     transaction_wait: TransactionWait | None = None
     # "lock", or "semaphore" for a semaphore's permit: in log lines and signals.
     kind: str = "lock"
+    # Guards leases, refused, retry_at and expires_at, which the owner's thread
+    # (extend) and the watchdog's (renewals) change at once: a bound computed
+    # from leases another thread changed meanwhile is wrong, or raises.
+    _guard: threading.Lock = field(default_factory=threading.Lock, init=False, repr=False)
 
     def __post_init__(self) -> None:
         if not self.targets:
@@ -177,25 +181,29 @@ class Hold:
 
     def confirm(self, alias: str, sent: float, ttl: float) -> None:
         """Record that ``alias`` set our lease to ``ttl`` by a command sent at ``sent``."""
-        previous = self.leases.get(alias)
-        if previous is None or sent >= previous.sent:
-            # The command sent last set the expiry Redis keeps.
-            self.leases[alias] = Lease(sent, ttl)
-        self.refused.discard(alias)
-        self.retry_at.pop(alias, None)
-        self._recompute()
+        with self._guard:
+            previous = self.leases.get(alias)
+            if previous is None or sent >= previous.sent:
+                # The command sent last set the expiry Redis keeps.
+                self.leases[alias] = Lease(sent, ttl)
+            self.refused.discard(alias)
+            self.retry_at.pop(alias, None)
+            self._recompute()
 
     def refuse(self, alias: str) -> None:
         """Record that ``alias`` answered that the key is not ours."""
-        self.leases.pop(alias, None)
-        self.refused.add(alias)
-        self._recompute()
+        with self._guard:
+            self.leases.pop(alias, None)
+            self.refused.add(alias)
+            self._recompute()
 
     def failed(self, alias: str, retry_at: float) -> None:
         """Record that ``alias`` could not be asked; its last confirmation still bounds us."""
-        self.retry_at[alias] = retry_at
+        with self._guard:
+            self.retry_at[alias] = retry_at
 
     def _recompute(self) -> None:
+        """Set ``expires_at`` from the leases; called with the guard held."""
         if self.quorum == 1 and len(self.leases) == 1:
             (lease,) = self.leases.values()  # one Redis: the common case
             self.expires_at = lease.ends - self.drift
@@ -217,15 +225,16 @@ class Hold:
 
     def next_renewal(self, alias: str) -> float:
         """Return when the watchdog should renew the key on ``alias``: a third into its lease."""
-        if alias in self.refused:
-            return math.inf  # not ours there: nothing to renew
-        lease = self.leases.get(alias)
-        due = 0.0
-        if lease is not None and not lease.renew_now:
-            # A lease shorter than the one renewals ask for (a hand-over) is
-            # lengthened a third into itself, like any other.
-            due = lease.sent + min(lease.ttl, self.ttl) / 3
-        return max(due, self.retry_at.get(alias, 0.0))
+        with self._guard:
+            if alias in self.refused:
+                return math.inf  # not ours there: nothing to renew
+            lease = self.leases.get(alias)
+            due = 0.0
+            if lease is not None and not lease.renew_now:
+                # A lease shorter than the one renewals ask for (a hand-over) is
+                # lengthened a third into itself, like any other.
+                due = lease.sent + min(lease.ttl, self.ttl) / 3
+            return max(due, self.retry_at.get(alias, 0.0))
 
     def mark_lost(self, reason: str) -> bool:
         """Record that the lock is no longer ours; return True the first time."""
