@@ -29,13 +29,17 @@ import time
 from contextvars import ContextVar
 from dataclasses import dataclass, field
 from functools import cache, lru_cache
-from typing import Any
+from typing import Any, NamedTuple
 
 from . import scripts
+from .exceptions import LockContended
 from .keys import LockKeys
+from .owners import Owner, parse_owner
 from .transactions import TransactionWait
 
 __all__ = [
+    "Attempt",
+    "Contention",
     "Hold",
     "Scope",
     "await_transaction",
@@ -97,6 +101,51 @@ def owner_metadata(label: str | None) -> str:
     task = _running_task()
     where = task.get_name() if task is not None else threading.current_thread().name
     return _owner_json(_pid, where, label)
+
+
+class Contention(NamedTuple):
+    """What refused an acquisition last: the holder, its lease left, and how long we waited."""
+
+    pttl: int = 0  # ms left on the holder's lease (0 or less: not known)
+    # The holder's raw owner record (parsed only when an error needs it: a
+    # waiter is refused on every check-in), an Owner, or None.
+    holder: Any = None
+    waited: float = 0.0  # seconds
+
+    def error(self, name: str) -> LockContended:
+        """Return the LockContended telling the caller of lock ``name`` who is in the way."""
+        retry_after = max(1, math.ceil(self.pttl / 1000)) if self.pttl > 0 else 1
+        holder = self.holder
+        if not isinstance(holder, Owner):
+            holder = parse_owner(holder) if holder else None
+        return LockContended(name, retry_after=retry_after, owner=holder, waited=self.waited)
+
+
+_NOT_REFUSED = Contention()
+
+
+@dataclass(eq=False, slots=True)
+class Attempt:
+    """One acquisition in progress: what its steps send, and what refused it last.
+
+    A handle may be shared by threads and tasks acquiring at once, so nothing
+    an acquisition sends or reports is kept on the handle: the handle starts
+    one Attempt per acquisition and passes it to its steps.
+    """
+
+    token: str
+    blocking: bool
+    started: float  # monotonic
+    deadline: float | None
+    # The owner record sent with every ACQUIRE of this attempt, taken in the
+    # caller's thread or task (an async acquisition runs its steps in a child
+    # task, which would name itself).
+    owner_json: str
+    contention: Contention = _NOT_REFUSED
+
+    def refused(self, pttl: int, holder: Any) -> None:
+        """Record that ``holder`` had the lock, with ``pttl`` ms of its lease left."""
+        self.contention = Contention(pttl, holder, time.monotonic() - self.started)
 
 
 @dataclass(slots=True)

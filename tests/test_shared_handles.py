@@ -11,6 +11,7 @@ meet, on a real Redis and with real threads.
 
 from __future__ import annotations
 
+import asyncio
 import math
 import sys
 import threading
@@ -18,6 +19,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from django_redis_mutex import Mutex, held_locks
 from django_redis_mutex.holds import Hold
 from django_redis_mutex.keys import LockKeys
 
@@ -43,6 +45,84 @@ class Worker(threading.Thread):
         if self._error is not None:
             raise self._error
         return self._result
+
+
+class PausedBeforeSending(Mutex):
+    """A Mutex whose acquisitions, in the threads named in ``go``, stop before sending ACQUIRE.
+
+    The steps of an acquisition begin after it started (token and owner taken)
+    and before its first command: pausing there lets another owner of the
+    handle start its own acquisition in between.
+    """
+
+    def __init__(self, name: str, *, paused: tuple[str, ...], **options: Any) -> None:
+        super().__init__(name, **options)
+        self.arrived = {thread: threading.Event() for thread in paused}
+        self.go = {thread: threading.Event() for thread in paused}
+
+    def _acquire_steps(self, *args: Any, **kwargs: Any) -> Any:
+        thread = threading.current_thread().name
+        if thread in self.go:
+            self.arrived[thread].set()
+            assert self.go[thread].wait(10), f"{thread} was never let go"
+        return (yield from super()._acquire_steps(*args, **kwargs))
+
+
+def held_by() -> str | None:
+    """Return the thread or task name the one held lock's owner record names."""
+    [held] = held_locks()
+    return held.owner.thread
+
+
+def test_each_thread_sharing_a_handle_is_recorded_as_the_owner_of_its_own_hold() -> None:
+    lock = PausedBeforeSending("shared-handle", paused=("holder-a", "holder-b"), timeout=10)
+    recorded: dict[str, str | None] = {}
+
+    def hold() -> None:
+        assert lock.acquire()
+        try:
+            recorded[threading.current_thread().name] = held_by()
+        finally:
+            lock.release()
+
+    first = Worker("holder-a", hold)
+    first.start()
+    assert lock.arrived["holder-a"].wait(10)
+    # A has started its acquisition and not sent it yet; B starts its own now.
+    second = Worker("holder-b", hold)
+    second.start()
+    assert lock.arrived["holder-b"].wait(10)
+    lock.go["holder-a"].set()
+    first.outcome()
+    lock.go["holder-b"].set()
+    second.outcome()
+
+    assert recorded == {"holder-a": "holder-a", "holder-b": "holder-b"}
+
+
+def test_each_task_sharing_a_handle_is_recorded_as_the_owner_of_its_own_hold() -> None:
+    # An async acquisition sends from a child task: the owner is the task that
+    # called aacquire(), whatever the other tasks of the handle started since.
+    async def main() -> dict[str, str | None]:
+        lock = Mutex("shared-handle", timeout=10)
+        recorded: dict[str, str | None] = {}
+
+        async def hold() -> None:
+            assert await lock.aacquire()
+            try:
+                task = asyncio.current_task()
+                assert task is not None
+                recorded[task.get_name()] = held_by()
+            finally:
+                await lock.arelease()
+
+        # Both tasks start before either's child task sends its ACQUIRE.
+        await asyncio.gather(
+            asyncio.create_task(hold(), name="task-a"), asyncio.create_task(hold(), name="task-b")
+        )
+        return recorded
+
+    assert asyncio.run(main()) == {"task-a": "task-a", "task-b": "task-b"}
 
 
 def test_a_quorum_hold_confirmed_and_refused_from_two_threads_stays_consistent() -> None:
