@@ -95,6 +95,8 @@ _EXPIRY_MARGIN = 0.002
 # A hand-over whose lease (counted from our last refused check-in) has less
 # than this share left is confirmed with Redis before the caller is told.
 _CONFIRM_SHARE = 0.25
+# How many owners' last failures a handle keeps for contended() at most.
+_CONTENDED_KEPT = 16
 
 
 class Grant(NamedTuple):
@@ -199,7 +201,8 @@ class Mutex:
         # One entry per entered with block, so each exit leaves what its enter took.
         self._blocks: list[_Block] = []
         self._state = threading.Lock()
-        self._contention = Contention()
+        # The last failed acquisition of each owner, latest last (see _note_contention).
+        self._contended: dict[object, Contention] = {}
 
     def __repr__(self) -> str:
         state = f"fence={self.fence}" if self._current() is not None else "unlocked"
@@ -242,8 +245,20 @@ class Mutex:
         return hold is not None and hold.lost
 
     def contended(self) -> LockContended:
-        """Return the error describing the last failed acquisition of this handle."""
-        return self._contention.error(self.name)
+        """Return the error describing the calling owner's last failed acquisition of this handle.
+
+        Each thread or asyncio task sharing the handle is told about its own
+        failure (holder, ``retry_after``, ``waited``), never about another's
+        that came after it. An owner with no failure of its own on record
+        (one that ran ``aacquire()`` in a task of its own, say) gets the
+        handle's latest.
+        """
+        owner = current_owner()
+        with self._state:
+            contention = self._contended.get(owner)
+            if contention is None and self._contended:
+                contention = next(reversed(self._contended.values()))
+        return (contention or Contention()).error(self.name)
 
     # -- where the lock lives (a quorum lock overrides these) ----------------
 
@@ -558,8 +573,23 @@ class Mutex:
         attempt.refused(int(reply[1]), reply[2] if len(reply) > 2 else None)
 
     def _note_contention(self, attempt: Attempt) -> None:
+        """Keep a failed attempt's contention as its owner's, for :meth:`contended`.
+
+        Kept per owner on the handle: a thread-local would be shared by the
+        asyncio tasks of one thread, and a context variable is meant to be
+        made once per process, not per handle. An owner's entry goes when it
+        next acquires, and at most ``_CONTENDED_KEPT`` owners are kept, oldest
+        out first, so threads and tasks that failed and ended never make a
+        long-lived handle grow.
+        """
         contention = attempt.contention._replace(waited=time.monotonic() - attempt.started)
-        self._contention = contention
+        owner = current_owner()
+        with self._state:
+            kept = self._contended
+            kept.pop(owner, None)  # back in last: the latest
+            kept[owner] = contention
+            if len(kept) > _CONTENDED_KEPT:
+                del kept[next(iter(kept))]
         if signals.lock_contended.receivers:
             error = contention.error(self.name)
             signals.lock_contended.send(
@@ -571,6 +601,12 @@ class Mutex:
                 shared=self.shared,
                 **self._kind_signal,
             )
+
+    def _forget_contention(self) -> None:
+        """Drop the calling owner's last failure: it has the lock now."""
+        owner = current_owner()
+        with self._state:
+            self._contended.pop(owner, None)
 
     def _adopt(self, token: str, grant: Grant, owner: object = None) -> Hold:
         """Record a new acquisition as this handle's top level and start renewing it.
@@ -656,6 +692,8 @@ class Mutex:
             hold = self._adopt(token, grant)
             if self._still_granted(hold):
                 break
+        if self._contended:
+            self._forget_contention()
         try:
             self._announce(hold, started)
         except BaseException:
@@ -772,6 +810,8 @@ class Mutex:
             # No await between this check and the body but a confirming one.
             if await self._astill_granted(hold):
                 break
+        if self._contended:
+            self._forget_contention()
         try:
             self._announce(hold, started)
         except BaseException:

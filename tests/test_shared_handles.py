@@ -19,9 +19,10 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from django_redis_mutex import Mutex, held_locks
+from django_redis_mutex import LockContended, Mutex, held_locks
 from django_redis_mutex.holds import Hold
 from django_redis_mutex.keys import LockKeys
+from django_redis_mutex.signals import lock_contended
 
 
 class Worker(threading.Thread):
@@ -123,6 +124,135 @@ def test_each_task_sharing_a_handle_is_recorded_as_the_owner_of_its_own_hold() -
         return recorded
 
     assert asyncio.run(main()) == {"task-a": "task-a", "task-b": "task-b"}
+
+
+class ParkedWhenContended:
+    """A ``lock_contended`` receiver that holds the thread named ``parked`` until let go.
+
+    The signal is sent after an acquisition failed and before its caller
+    builds the error: another owner of the handle fails in between.
+    """
+
+    def __init__(self, parked: str) -> None:
+        self.parked = parked
+        self.arrived = threading.Event()
+        self.go = threading.Event()
+
+    def __call__(self, sender: Any, **kwargs: Any) -> None:
+        if threading.current_thread().name == self.parked:
+            self.arrived.set()
+            assert self.go.wait(10), f"{self.parked} was never let go"
+
+
+def contended_error(body: Callable[[], object]) -> Callable[[], LockContended]:
+    def run() -> LockContended:
+        try:
+            body()
+        except LockContended as busy:
+            return busy
+        raise AssertionError("entered a lock another owner holds")
+
+    return run
+
+
+def test_threads_failing_on_one_handle_each_get_their_own_contention() -> None:
+    shared = Mutex("report", timeout=0.3)
+    park = ParkedWhenContended("waiter-a")
+    lock_contended.connect(park, weak=False)
+    first = Mutex("report", label="first", ttl=60)
+    second = Mutex("report", label="second", ttl=5)
+    try:
+        assert first.acquire()
+
+        def enter() -> None:
+            with shared:
+                pass
+
+        waiter_a = Worker("waiter-a", contended_error(enter))
+        waiter_a.start()
+        assert park.arrived.wait(10)
+        # A waited its 0.3 s on the first holder; before its error is raised, the
+        # lock changes hands and B fails at once on the second holder.
+        first.release()
+        assert second.acquire()
+
+        def try_once() -> None:
+            assert not shared.acquire(blocking=False)
+            raise shared.contended()
+
+        waiter_b = Worker("waiter-b", contended_error(try_once))
+        waiter_b.start()
+        busy_b = waiter_b.outcome()
+        park.go.set()
+        busy_a = waiter_a.outcome()
+    finally:
+        park.go.set()
+        lock_contended.disconnect(park)
+        for holder in (first, second):
+            if holder.token is not None:
+                holder.release()
+
+    assert busy_a.owner is not None and busy_a.owner.label == "first"
+    assert busy_a.waited >= 0.3 and busy_a.retry_after > 30
+    assert busy_b.owner is not None and busy_b.owner.label == "second"
+    assert busy_b.waited < 0.3 and busy_b.retry_after <= 5
+
+
+def test_tasks_failing_on_one_handle_each_get_their_own_contention() -> None:
+    async def main() -> dict[str, float]:
+        shared = Mutex("report")
+        failed = {"waiter": asyncio.Event(), "quick": asyncio.Event()}
+        waited: dict[str, float] = {}
+
+        async def fail(name: str, other: str, **wait: Any) -> None:
+            assert not await shared.aacquire(**wait)
+            failed[name].set()
+            await failed[other].wait()  # both failed before either asks why
+            waited[name] = shared.contended().waited
+
+        holder = Mutex("report")
+        assert await holder.aacquire()
+        try:
+            await asyncio.gather(
+                fail("waiter", "quick", timeout=0.3), fail("quick", "waiter", blocking=False)
+            )
+        finally:
+            await holder.arelease()
+        return waited
+
+    waited = asyncio.run(main())
+    assert waited["waiter"] >= 0.3
+    assert waited["quick"] < 0.3
+
+
+def test_a_handle_keeps_few_failures_however_many_owners_failed_on_it() -> None:
+    shared = Mutex("report", blocking=False)
+    holder = Mutex("report", label="holder")
+    callers = 40
+    all_failed = threading.Barrier(callers + 1)
+
+    def fail() -> bool:
+        got = shared.acquire()
+        all_failed.wait(10)  # alive at once: each thread is an owner of its own
+        return got
+
+    assert holder.acquire()
+    try:
+        workers = [Worker(f"caller-{number}", fail) for number in range(callers)]
+        for worker in workers:
+            worker.start()
+        all_failed.wait(10)
+        assert [worker.outcome() for worker in workers] == [False] * callers
+        assert len(shared._contended) <= 16
+        assert not shared.acquire()
+        busy = shared.contended()
+    finally:
+        holder.release()
+    assert busy.owner is not None and busy.owner.label == "holder"
+    kept = len(shared._contended)
+    assert shared.acquire()  # an owner that gets the lock keeps no failure
+    shared.release()
+    assert len(shared._contended) == kept - 1
 
 
 def test_a_quorum_hold_confirmed_and_refused_from_two_threads_stays_consistent() -> None:
