@@ -49,7 +49,7 @@ class Worker(threading.Thread):
 
 
 class PausedBeforeSending(Mutex):
-    """A Mutex whose acquisitions, in the threads named in ``go``, stop before sending ACQUIRE.
+    """A Mutex whose acquisitions in the threads named ``paused`` stop before sending ACQUIRE.
 
     The steps of an acquisition begin after it started (token and owner taken)
     and before its first command: pausing there lets another owner of the
@@ -87,16 +87,20 @@ def test_each_thread_sharing_a_handle_is_recorded_as_the_owner_of_its_own_hold()
             lock.release()
 
     first = Worker("holder-a", hold)
-    first.start()
-    assert lock.arrived["holder-a"].wait(10)
-    # A has started its acquisition and not sent it yet; B starts its own now.
     second = Worker("holder-b", hold)
-    second.start()
-    assert lock.arrived["holder-b"].wait(10)
-    lock.go["holder-a"].set()
-    first.outcome()
-    lock.go["holder-b"].set()
-    second.outcome()
+    try:
+        first.start()
+        assert lock.arrived["holder-a"].wait(10)
+        # A has started its acquisition and not sent it yet; B starts its own now.
+        second.start()
+        assert lock.arrived["holder-b"].wait(10)
+        lock.go["holder-a"].set()
+        first.outcome()
+        lock.go["holder-b"].set()
+        second.outcome()
+    finally:
+        for go in lock.go.values():
+            go.set()
 
     assert recorded == {"holder-a": "holder-a", "holder-b": "holder-b"}
 
