@@ -113,11 +113,11 @@ def layers(url: str, slices: int = 25, per_slice: int = 200) -> dict[str, Any]:
 
     def bare_scripts(client: redis.Redis) -> Callable[[], None]:
         def cycle() -> None:
-            token = secrets.token_hex(16)
+            attempt = handle._start(True, 30)
             client.evalsha(
-                scripts.ACQUIRE.sha, len(keys), *keys, *handle._acquire_args(token, True)
+                scripts.ACQUIRE.sha, len(keys), *keys, *handle._acquire_args(attempt, True)
             )
-            client.evalsha(scripts.RELEASE.sha, len(keys), *keys, token)
+            client.evalsha(scripts.RELEASE.sha, len(keys), *keys, attempt.token)
 
         return cycle
 
@@ -262,9 +262,10 @@ def lua_steps(url: str, calls: int = 1000, batches: int = 3) -> dict[str, float]
                 locks = [Mutex(f"profile-lua-{label}-{attempt}-{i}") for i in range(calls)]
                 before = client.info("commandstats").get("cmdstat_evalsha", {"usec": 0})["usec"]
                 for lock in locks:
-                    token = secrets.token_hex(16)
                     keys = lock.keys.script_keys
-                    client.evalsha(sha, len(keys), *keys, *lock._acquire_args(token, True))
+                    client.evalsha(
+                        sha, len(keys), *keys, *lock._acquire_args(lock._start(True, 30), True)
+                    )
                 after = client.info("commandstats")["cmdstat_evalsha"]["usec"]
                 best = min(best, (after - before) / calls)
             out[label] = best

@@ -29,13 +29,17 @@ import time
 from contextvars import ContextVar
 from dataclasses import dataclass, field
 from functools import cache, lru_cache
-from typing import Any
+from typing import Any, NamedTuple
 
 from . import scripts
+from .exceptions import LockContended
 from .keys import LockKeys
+from .owners import Owner, parse_owner
 from .transactions import TransactionWait
 
 __all__ = [
+    "Attempt",
+    "Contention",
     "Hold",
     "Scope",
     "await_transaction",
@@ -99,6 +103,51 @@ def owner_metadata(label: str | None) -> str:
     return _owner_json(_pid, where, label)
 
 
+class Contention(NamedTuple):
+    """What refused an acquisition last: the holder, its lease left, and how long we waited."""
+
+    pttl: int = 0  # ms left on the holder's lease (0 or less: not known)
+    # The holder's raw owner record (parsed only when an error needs it: a
+    # waiter is refused on every check-in), an Owner, or None.
+    holder: Any = None
+    waited: float = 0.0  # seconds
+
+    def error(self, name: str) -> LockContended:
+        """Return the LockContended telling the caller of lock ``name`` who is in the way."""
+        retry_after = max(1, math.ceil(self.pttl / 1000)) if self.pttl > 0 else 1
+        holder = self.holder
+        if not isinstance(holder, Owner):
+            holder = parse_owner(holder) if holder else None
+        return LockContended(name, retry_after=retry_after, owner=holder, waited=self.waited)
+
+
+_NOT_REFUSED = Contention()
+
+
+@dataclass(eq=False, slots=True)
+class Attempt:
+    """One acquisition in progress: what its steps send, and what refused it last.
+
+    A handle may be shared by threads and tasks acquiring at once, so nothing
+    an acquisition sends or reports is kept on the handle: the handle starts
+    one Attempt per acquisition and passes it to its steps.
+    """
+
+    token: str
+    blocking: bool
+    started: float  # monotonic
+    deadline: float | None
+    # The owner record sent with every ACQUIRE of this attempt, taken in the
+    # caller's thread or task (an async acquisition runs its steps in a child
+    # task, which would name itself).
+    owner_json: str
+    contention: Contention = _NOT_REFUSED
+
+    def refused(self, pttl: int, holder: Any) -> None:
+        """Record that ``holder`` had the lock, with ``pttl`` ms of its lease left."""
+        self.contention = Contention(pttl, holder, time.monotonic() - self.started)
+
+
 @dataclass(slots=True)
 class Lease:
     """What one Redis (a quorum member, or the only one) confirmed about our key."""
@@ -155,6 +204,10 @@ class Hold:
     transaction_wait: TransactionWait | None = None
     # "lock", or "semaphore" for a semaphore's permit: in log lines and signals.
     kind: str = "lock"
+    # Guards leases, refused, retry_at and expires_at, which the owner's thread
+    # (extend) and the watchdog's (renewals) change at once: a bound computed
+    # from leases another thread changed meanwhile is wrong, or raises.
+    _guard: threading.Lock = field(default_factory=threading.Lock, init=False, repr=False)
 
     def __post_init__(self) -> None:
         if not self.targets:
@@ -177,25 +230,29 @@ class Hold:
 
     def confirm(self, alias: str, sent: float, ttl: float) -> None:
         """Record that ``alias`` set our lease to ``ttl`` by a command sent at ``sent``."""
-        previous = self.leases.get(alias)
-        if previous is None or sent >= previous.sent:
-            # The command sent last set the expiry Redis keeps.
-            self.leases[alias] = Lease(sent, ttl)
-        self.refused.discard(alias)
-        self.retry_at.pop(alias, None)
-        self._recompute()
+        with self._guard:
+            previous = self.leases.get(alias)
+            if previous is None or sent >= previous.sent:
+                # The command sent last set the expiry Redis keeps.
+                self.leases[alias] = Lease(sent, ttl)
+            self.refused.discard(alias)
+            self.retry_at.pop(alias, None)
+            self._recompute()
 
     def refuse(self, alias: str) -> None:
         """Record that ``alias`` answered that the key is not ours."""
-        self.leases.pop(alias, None)
-        self.refused.add(alias)
-        self._recompute()
+        with self._guard:
+            self.leases.pop(alias, None)
+            self.refused.add(alias)
+            self._recompute()
 
     def failed(self, alias: str, retry_at: float) -> None:
         """Record that ``alias`` could not be asked; its last confirmation still bounds us."""
-        self.retry_at[alias] = retry_at
+        with self._guard:
+            self.retry_at[alias] = retry_at
 
     def _recompute(self) -> None:
+        """Set ``expires_at`` from the leases; called with the guard held."""
         if self.quorum == 1 and len(self.leases) == 1:
             (lease,) = self.leases.values()  # one Redis: the common case
             self.expires_at = lease.ends - self.drift
@@ -217,15 +274,16 @@ class Hold:
 
     def next_renewal(self, alias: str) -> float:
         """Return when the watchdog should renew the key on ``alias``: a third into its lease."""
-        if alias in self.refused:
-            return math.inf  # not ours there: nothing to renew
-        lease = self.leases.get(alias)
-        due = 0.0
-        if lease is not None and not lease.renew_now:
-            # A lease shorter than the one renewals ask for (a hand-over) is
-            # lengthened a third into itself, like any other.
-            due = lease.sent + min(lease.ttl, self.ttl) / 3
-        return max(due, self.retry_at.get(alias, 0.0))
+        with self._guard:
+            if alias in self.refused:
+                return math.inf  # not ours there: nothing to renew
+            lease = self.leases.get(alias)
+            due = 0.0
+            if lease is not None and not lease.renew_now:
+                # A lease shorter than the one renewals ask for (a hand-over) is
+                # lengthened a third into itself, like any other.
+                due = lease.sent + min(lease.ttl, self.ttl) / 3
+            return max(due, self.retry_at.get(alias, 0.0))
 
     def mark_lost(self, reason: str) -> bool:
         """Record that the lock is no longer ours; return True the first time."""

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import math
 import secrets
 import sys
 import threading
@@ -56,6 +55,8 @@ from .exceptions import (
 from .giveback import give_back_later
 from .handoff import handed_to, parse_wakeup, wake_steps
 from .holds import (
+    Attempt,
+    Contention,
     Hold,
     Scope,
     await_transaction,
@@ -94,6 +95,8 @@ _EXPIRY_MARGIN = 0.002
 # A hand-over whose lease (counted from our last refused check-in) has less
 # than this share left is confirmed with Redis before the caller is told.
 _CONFIRM_SHARE = 0.25
+# How many owners' last failures a handle keeps for contended() at most.
+_CONTENDED_KEPT = 16
 
 
 class Grant(NamedTuple):
@@ -198,8 +201,8 @@ class Mutex:
         # One entry per entered with block, so each exit leaves what its enter took.
         self._blocks: list[_Block] = []
         self._state = threading.Lock()
-        self._contention: tuple[int, Any, float] = (0, None, 0.0)
-        self._owner_json: str | None = None
+        # The last failed acquisition of each owner, latest last (see _note_contention).
+        self._contended: dict[object, Contention] = {}
 
     def __repr__(self) -> str:
         state = f"fence={self.fence}" if self._current() is not None else "unlocked"
@@ -242,12 +245,20 @@ class Mutex:
         return hold is not None and hold.lost
 
     def contended(self) -> LockContended:
-        """Return the error describing the last failed acquisition of this handle."""
-        pttl, owner, waited = self._contention
-        retry_after = max(1, math.ceil(pttl / 1000)) if pttl > 0 else 1
-        if not isinstance(owner, Owner):
-            owner = parse_owner(owner) if owner else None
-        return LockContended(self.name, retry_after=retry_after, owner=owner, waited=waited)
+        """Return the error describing the calling owner's last failed acquisition of this handle.
+
+        Each thread or asyncio task sharing the handle is told about its own
+        failure (holder, ``retry_after``, ``waited``), never about another's
+        that came after it. An owner with no failure of its own on record
+        (one that ran ``aacquire()`` in a task of its own, say) gets the
+        handle's latest.
+        """
+        owner = current_owner()
+        with self._state:
+            contention = self._contended.get(owner)
+            if contention is None and self._contended:
+                contention = next(reversed(self._contended.values()))
+        return (contention or Contention()).error(self.name)
 
     # -- where the lock lives (a quorum lock overrides these) ----------------
 
@@ -265,10 +276,14 @@ class Mutex:
 
     # -- the steps of each operation (no I/O: see driver.py) -----------------
 
-    def _acquire_args(self, token: str, join: bool) -> list[Any]:
-        if self._owner_json is None:
-            self._owner_json = owner_metadata(self.label)
-        return [token, lease_ms(self.lease), self._owner_json, 1 if join else 0, *self._limit_args]
+    def _acquire_args(self, attempt: Attempt, join: bool) -> list[Any]:
+        return [
+            attempt.token,
+            lease_ms(self.lease),
+            attempt.owner_json,
+            1 if join else 0,
+            *self._limit_args,
+        ]
 
     def _grant(self, fence: Any, sent: float, lease: float, successor: str | None = None) -> Grant:
         return Grant(int(fence), {self.using: (sent, lease)}, successor)
@@ -291,29 +306,25 @@ class Mutex:
             yield from self._wake(reply[4])
         return self._granted_by(reply, sent)
 
-    def _acquire_steps(
-        self, token: str, blocking: bool, deadline: float | None, started: float
-    ) -> Steps[Grant | None]:
+    def _acquire_steps(self, attempt: Attempt) -> Steps[Grant | None]:
         """Acquire: try once; when blocking, queue and wait to be handed the lock."""
         if self.settings.wait_replicas:
-            return (yield from self._replicated_acquire_steps(token, blocking, deadline, started))
-        keys = self.keys.with_wake(token)
+            return (yield from self._replicated_acquire_steps(attempt))
+        keys = self.keys.with_wake(attempt.token)
         sent, reply = yield Script(
-            self.using, self._acquire_script, keys, self._acquire_args(token, blocking)
+            self.using, self._acquire_script, keys, self._acquire_args(attempt, attempt.blocking)
         )
         if not isinstance(reply, list):  # the fence alone: ours, nobody in line
             return self._grant(reply, sent, self.lease)
         if reply[0] == 1:
             return (yield from self._granted_steps(reply, sent))
         yield from self._wake(reply[3])
-        self._refused(reply, started)
-        if not blocking:
+        self._refused(attempt, reply)
+        if not attempt.blocking:
             return None
-        return (yield from self._wait_steps(token, deadline, reply, started, sent))
+        return (yield from self._wait_steps(attempt, reply, sent))
 
-    def _replicated_acquire_steps(
-        self, token: str, blocking: bool, deadline: float | None, started: float
-    ) -> Steps[Grant | None]:
+    def _replicated_acquire_steps(self, attempt: Attempt) -> Steps[Grant | None]:
         """Acquire as :meth:`_acquire_steps` does, then have WAIT_REPLICAS replicas acknowledge it.
 
         WAIT counts the replication offset of its own connection's last write.
@@ -324,11 +335,12 @@ class Mutex:
         and WAIT after that, which covers the hand-off written before it.
         """
         replicas, timeout = self.settings.wait_replicas, self.settings.wait_timeout
+        token = attempt.token
         sent, reply, acknowledged = yield Acknowledged(
             self.using,
             self._acquire_script,
             self.keys.with_wake(token),
-            self._acquire_args(token, blocking),
+            self._acquire_args(attempt, attempt.blocking),
             replicas,
             timeout,
         )
@@ -340,15 +352,15 @@ class Mutex:
             return (yield from self._acknowledged(token, grant, acknowledged))
         if reply[0] != 1:
             yield from self._wake(reply[3])
-            self._refused(reply, started)
-            if not blocking:
+            self._refused(attempt, reply)
+            if not attempt.blocking:
                 return None
         refused_sent = sent
         while True:
             if reply[0] == 1:
                 handed: Grant | None = yield from self._granted_steps(reply, sent)
             else:
-                handed = yield from self._wait_steps(token, deadline, reply, started, refused_sent)
+                handed = yield from self._wait_steps(attempt, reply, refused_sent)
             if handed is None:
                 return None
             sent, extended, acknowledged = yield Acknowledged(
@@ -381,12 +393,7 @@ class Mutex:
         )
 
     def _wait_steps(
-        self,
-        token: str,
-        deadline: float | None,
-        reply: list[Any],
-        started: float,
-        refused_sent: float,
+        self, attempt: Attempt, reply: list[Any], refused_sent: float
     ) -> Steps[Grant | None]:
         """Wait in line until handed the lock or the deadline passes.
 
@@ -394,6 +401,7 @@ class Mutex:
         ours was sent: a hand-over pushed to our wake-up list happened after
         it, so its lease is counted from then.
         """
+        token, deadline = attempt.token, attempt.deadline
         keys = self.keys.with_wake(token)
         wake_key = keys[-1]
         handoff = min(self.lease, HANDOFF_LEASE)
@@ -417,7 +425,7 @@ class Mutex:
                     # Woken late (a paused process or loop): most of the hand-over
                     # lease may be spent; the check-in below asks Redis.
             sent, reply = yield Script(
-                self.using, self._acquire_script, keys, self._acquire_args(token, True)
+                self.using, self._acquire_script, keys, self._acquire_args(attempt, True)
             )
             if not isinstance(reply, list):
                 return self._grant(reply, sent, self.lease)
@@ -425,7 +433,7 @@ class Mutex:
                 return (yield from self._granted_steps(reply, sent))
             yield from self._wake(reply[3])
             refused_sent = sent
-            self._refused(reply, started)
+            self._refused(attempt, reply)
 
     def _wake(self, handed: Any) -> Steps[None]:
         """Wake the waiter a script handed the lock to, if its answer ``handed`` names one.
@@ -539,20 +547,16 @@ class Mutex:
             hold.depth += 1
             self._levels.append(hold)
 
-    def _acquisition_steps(
-        self, token: str, blocking: bool, deadline: float | None, started: float
-    ) -> Steps[Grant | None]:
+    def _acquisition_steps(self, attempt: Attempt) -> Steps[Grant | None]:
         """Return the steps of a new acquisition, telling ``lock_waiting`` receivers if any."""
-        steps = self._acquire_steps(token, blocking, deadline, started)
-        if blocking and signals.lock_waiting.receivers:
+        steps = self._acquire_steps(attempt)
+        if attempt.blocking and signals.lock_waiting.receivers:
             return _told_waits(steps, self.using, self.name)
         return steps
 
-    def _start(self, timeout: float | None) -> tuple[str, float, float | None]:
+    def _start(self, blocking: bool, timeout: float | None) -> Attempt:
+        """Start a new acquisition by the calling owner (its thread, or its task)."""
         started = time.monotonic()
-        # The owner record is taken in the caller's own thread or task (the
-        # steps of an async acquisition run in a child task).
-        self._owner_json = owner_metadata(self.label)
         deadline = None if timeout is None else started + timeout
         # A shared token starts with "s", which no hex token does: the scripts
         # tell shared holders and waiters from exclusive ones by it.
@@ -561,18 +565,33 @@ class Mutex:
             if self.shared
             else self.token_prefix + secrets.token_hex(16)
         )
-        return token, started, deadline
+        return Attempt(token, blocking, started, deadline, owner_metadata(self.label))
 
-    def _refused(self, reply: list[Any], started: float) -> None:
+    def _refused(self, attempt: Attempt, reply: list[Any]) -> None:
         # The holder's owner record stays raw until an error needs it: a
         # waiter is refused on every check-in, and parsing it each time is waste.
-        owner = reply[2] if len(reply) > 2 else None
-        self._contention = (int(reply[1]), owner, time.monotonic() - started)
+        attempt.refused(int(reply[1]), reply[2] if len(reply) > 2 else None)
 
-    def _note_contention(self, started: float) -> None:
-        self._contention = (*self._contention[:2], time.monotonic() - started)
+    def _note_contention(self, attempt: Attempt) -> None:
+        """Keep a failed attempt's contention as its owner's, for :meth:`contended`.
+
+        Kept per owner on the handle: a thread-local would be shared by the
+        asyncio tasks of one thread, and a context variable is meant to be
+        made once per process, not per handle. An owner's entry goes when it
+        next acquires, and at most ``_CONTENDED_KEPT`` owners are kept, oldest
+        out first, so threads and tasks that failed and ended never make a
+        long-lived handle grow.
+        """
+        contention = attempt.contention._replace(waited=time.monotonic() - attempt.started)
+        owner = current_owner()
+        with self._state:
+            kept = self._contended
+            kept.pop(owner, None)  # back in last: the latest
+            kept[owner] = contention
+            if len(kept) > _CONTENDED_KEPT:
+                del kept[next(iter(kept))]
         if signals.lock_contended.receivers:
-            error = self.contended()
+            error = contention.error(self.name)
             signals.lock_contended.send(
                 sender=self.using,
                 name=self.name,
@@ -582,6 +601,12 @@ class Mutex:
                 shared=self.shared,
                 **self._kind_signal,
             )
+
+    def _forget_contention(self) -> None:
+        """Drop the calling owner's last failure: it has the lock now."""
+        owner = current_owner()
+        with self._state:
+            self._contended.pop(owner, None)
 
     def _adopt(self, token: str, grant: Grant, owner: object = None) -> Hold:
         """Record a new acquisition as this handle's top level and start renewing it.
@@ -646,11 +671,12 @@ class Mutex:
                 if hold.valid() or run_steps(self._confirm_steps(hold)):
                     self._nest_into(hold)
                     return hold
-        token, started, deadline = self._start(timeout)
+        attempt = self._start(blocking, timeout)
+        token, started = attempt.token, attempt.started
         while True:
             with _acquisition_errors(self.name, self.using, started):
                 try:
-                    grant = run_steps(self._acquisition_steps(token, blocking, deadline, started))
+                    grant = run_steps(self._acquisition_steps(attempt))
                 except (redis_errors.TimeoutError, LockBackendUnavailable):
                     # Redis is not answering: a cancel now would wait out another
                     # socket timeout, so it is left to the background.
@@ -661,11 +687,13 @@ class Mutex:
                     raise
             # Outside backend_errors: an error of a signal receiver is not Redis's.
             if grant is None:
-                self._note_contention(started)
+                self._note_contention(attempt)
                 return None
             hold = self._adopt(token, grant)
             if self._still_granted(hold):
                 break
+        if self._contended:
+            self._forget_contention()
         try:
             self._announce(hold, started)
         except BaseException:
@@ -770,17 +798,20 @@ class Mutex:
                 if hold.valid() or await AsyncDriver().run(self._confirm_steps(hold)):
                     self._nest_into(hold)
                     return hold
-        token, started, deadline = self._start(timeout)
+        attempt = self._start(blocking, timeout)
+        started = attempt.started
         while True:
             with _acquisition_errors(self.name, self.using, started):
-                adopted = await self._acquire_in_child(token, blocking, deadline, started)
+                adopted = await self._acquire_in_child(attempt)
             if adopted is None:
-                self._note_contention(started)
+                self._note_contention(attempt)
                 return None
             hold = adopted
             # No await between this check and the body but a confirming one.
             if await self._astill_granted(hold):
                 break
+        if self._contended:
+            self._forget_contention()
         try:
             self._announce(hold, started)
         except BaseException:
@@ -796,9 +827,7 @@ class Mutex:
                 raise
         return hold
 
-    async def _acquire_in_child(
-        self, token: str, blocking: bool, deadline: float | None, started: float
-    ) -> Hold | None:
+    async def _acquire_in_child(self, attempt: Attempt) -> Hold | None:
         """Run the acquisition with :func:`~.driver.run_in_child`: a cancel is never lost.
 
         The hold is adopted (and watched) in the child, as Redis's answer is
@@ -806,10 +835,11 @@ class Mutex:
         loop stalls before the caller runs again.
         """
         owner = current_owner()
+        token = attempt.token
         adopted: list[Hold] = []
 
         def adopting() -> Steps[Grant | None]:
-            grant = yield from self._acquisition_steps(token, blocking, deadline, started)
+            grant = yield from self._acquisition_steps(attempt)
             if grant is not None:
                 adopted.append(self._adopt(token, grant, owner))
             return grant

@@ -34,7 +34,7 @@ from . import scripts
 from .conf import get_settings, validate_aliases
 from .driver import Each, Fanned, Sleep, Steps
 from .exceptions import LockBackendUnavailable
-from .holds import Hold, decode, owner_metadata
+from .holds import Attempt, Hold, decode, owner_metadata
 from .keys import LockKeys
 from .lock import Grant, Mutex
 from .owners import Owner, mark_transaction, parse_owner
@@ -131,7 +131,7 @@ class QuorumMutex(Mutex):
 
     # -- acquire ----------------------------------------------------------------
 
-    def _judge(self, fanned: Fanned, started: float) -> Grant | None:
+    def _judge(self, fanned: Fanned, attempt: Attempt) -> Grant | None:
         """Return the grant if a majority granted the lock with validity left, else None."""
         granted: dict[str, int] = {}
         pttl, owner = 0, None
@@ -151,10 +151,12 @@ class QuorumMutex(Mutex):
             return Grant(
                 max(granted.values()), {alias: (fanned.sent, self.lease) for alias in granted}
             )
-        self._contention = (pttl, owner, time.monotonic() - started)
+        attempt.refused(pttl, owner)
         return None
 
-    def _unless_held_alone(self, grant: Grant, fanned: Fanned) -> Steps[Grant | None]:
+    def _unless_held_alone(
+        self, grant: Grant, fanned: Fanned, attempt: Attempt
+    ) -> Steps[Grant | None]:
         """Return ``grant``, or None when a master that refused is held by a lock of its own.
 
         ``Mutex(name, using="r1")`` and the quorum lock of the same name on
@@ -172,35 +174,36 @@ class QuorumMutex(Mutex):
         if not alone:
             return grant
         reply = fanned.replies[alone[0]]
-        self._contention = (int(reply[1]), reply[2] or None, self._contention[2])
+        attempt.contention = attempt.contention._replace(
+            pttl=int(reply[1]), holder=reply[2] or None
+        )
         return None
 
-    def _retry_delay(self, deadline: float | None) -> float:
+    def _retry_delay(self, attempt: Attempt) -> float:
         delay = random.uniform(*RETRY_DELAY)
-        pttl = self._contention[0]
+        pttl = attempt.contention.pttl
         if pttl > 0:
             delay = min(delay, pttl / 1000)
-        if deadline is not None:
-            delay = min(delay, max(deadline - time.monotonic(), 0.0))
+        if attempt.deadline is not None:
+            delay = min(delay, max(attempt.deadline - time.monotonic(), 0.0))
         return delay
 
-    def _acquire_steps(
-        self, token: str, blocking: bool, deadline: float | None, started: float
-    ) -> Steps[Grant | None]:
+    def _acquire_steps(self, attempt: Attempt) -> Steps[Grant | None]:
         # Quorum waiters never queue, so a release never hands over to one; a
         # plain lock of the same name queued on one master is woken by its own
         # check-in.
+        token, deadline = attempt.token, attempt.deadline
         release_all = self._each(scripts.RELEASE, _queue_keys, [token])
         acquire = self._each(
             self._acquire_script,
             lambda keys: keys.with_wake(token),
-            self._acquire_args(token, False),
+            self._acquire_args(attempt, False),
         )
         while True:
             fanned = yield acquire
-            grant = self._judge(fanned, started)
+            grant = self._judge(fanned, attempt)
             if grant is not None and len(grant.leases) < len(fanned.replies):
-                grant = yield from self._unless_held_alone(grant, fanned)
+                grant = yield from self._unless_held_alone(grant, fanned, attempt)
             if grant is None:
                 # Undo on every master: one whose reply was lost may have granted it.
                 yield release_all
@@ -214,9 +217,9 @@ class QuorumMutex(Mutex):
                     yield release_all
                     raise self._unavailable(floor.errors, "record the fence of")
                 return grant
-            if not blocking or (deadline is not None and time.monotonic() >= deadline):
+            if not attempt.blocking or (deadline is not None and time.monotonic() >= deadline):
                 return None
-            yield Sleep(self._retry_delay(deadline))
+            yield Sleep(self._retry_delay(attempt))
 
     def _abandon_steps(self, token: str) -> Steps[None]:
         yield self._each(scripts.RELEASE, _queue_keys, [token])

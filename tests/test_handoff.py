@@ -108,8 +108,9 @@ def test_a_lapsed_hand_over_is_not_taken_for_a_new_one(raw: redis.Redis) -> None
     holder = Mutex("lapsed", timeout=10, ttl=0.5, watchdog=False)
     assert holder.acquire()
     waiter = Mutex("lapsed", timeout=10, ttl=0.5, watchdog=False)
-    token, started, deadline = waiter._start(10)
-    steps = waiter._acquire_steps(token, True, deadline, started)
+    attempt = waiter._start(True, 10)
+    token = attempt.token
+    steps = waiter._acquire_steps(attempt)
     pop = drive_until(steps, Pop)  # queued behind the holder, about to block
     check_in = steps.send(None)  # the wait ran out with nothing popped: a check-in is next
     assert isinstance(pop, Pop) and check_in.script is scripts.ACQUIRE
