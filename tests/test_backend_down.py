@@ -21,7 +21,6 @@ from typing import Any
 import pytest
 import redis
 from django.conf import settings
-from django.core.exceptions import ImproperlyConfigured
 from django.db import transaction
 from django.test import override_settings
 from redis.backoff import NoBackoff
@@ -349,19 +348,6 @@ def test_without_fail_open_a_semaphore_block_raises_and_never_runs():
     with unreachable(), pytest.raises(LockBackendUnavailable), semaphore("exports", 2):
         ran.append(True)
     assert ran == []
-
-
-def test_a_semaphore_refuses_a_quorum_alias_with_a_clear_error():
-    caches = copy.deepcopy(settings.CACHES)
-    caches["q"] = copy.deepcopy(caches["default"])
-    caches["q"]["MUTEX"] = {"QUORUM": ["default", "default2", "default3"]}
-    for member in ("default2", "default3"):
-        caches[member] = copy.deepcopy(caches["default"])
-    with (
-        override_settings(CACHES=caches),
-        pytest.raises(ImproperlyConfigured, match="names a QUORUM, and a semaphore lives on one"),
-    ):
-        Semaphore("exports", 2, using="q")
 
 
 def test_a_master_demoted_to_replica_makes_acquire_raise_backend_unavailable():
