@@ -15,9 +15,8 @@ from .exceptions import (
     StaleFence,
 )
 from .introspection import HeldLock, held_locks, reset, reset_all
-from .lock import DEFAULT, Mutex
+from .lock import DEFAULT, Mutex, QuorumMutex
 from .owners import Owner
-from .quorum import QuorumMutex
 from .semaphore import (
     HeldSemaphore,
     Semaphore,

@@ -25,20 +25,17 @@ import time
 import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Literal, NamedTuple
+from typing import Any, Literal
 
+from django.core.exceptions import ImproperlyConfigured
 from redis import exceptions as redis_errors
 
 from . import scripts, signals
-from .client import backend_errors, namespace, server_ms
+from .client import backend_errors, namespace
 from .conf import MutexSettings, get_settings, validate_flag, validate_timeout, validate_ttl
 from .driver import (
-    REDIS_TICK,
-    Acknowledged,
     AsyncDriver,
     Pop,
-    Read,
-    Script,
     Sleep,
     Steps,
     run_in_child,
@@ -49,11 +46,9 @@ from .exceptions import (
     LockContended,
     LockLost,
     LockNotOwned,
-    LockNotReplicated,
     LockUpgradeRefused,
 )
 from .giveback import give_back_later
-from .handoff import handed_to, parse_wakeup, wake_steps
 from .holds import (
     Attempt,
     Contention,
@@ -63,17 +58,18 @@ from .holds import (
     awaiting_hold,
     close_scope,
     current_owner,
-    decode,
     open_scope,
     owner_metadata,
     scoped_hold,
     transaction_ended,
 )
-from .keys import LockKeys, SharedRecord, validate_label, validate_name
-from .owners import Owner, mark_transaction, parse_owner
-from .scripts import HANDOFF_LEASE, WAIT_LEASE, lease_ms
+from .keys import LockKeys, validate_label, validate_name
+from .owners import Owner
+from .quorum import Quorum, quorum_members
+from .scripts import WAIT_LEASE, lease_ms
+from .topology import Grant, OneRedis
 from .transactions import TransactionWait, open_transactions, warn_if_read_before
-from .watchdog import get_watchdog
+from .watchdog import declare_lost, get_watchdog
 
 __all__ = ["DEFAULT", "Mutex"]
 
@@ -99,18 +95,6 @@ _CONFIRM_SHARE = 0.25
 _CONTENDED_KEPT = 16
 
 
-class Grant(NamedTuple):
-    """What an acquisition got: the fence, per Redis the lease as (sent, seconds), the successor.
-
-    ``successor`` is the waiter that was first in line behind us when we got
-    the lock (None if nobody was): the release expects to hand over to it.
-    """
-
-    fence: int
-    leases: dict[str, tuple[float, float]]
-    successor: str | None = None
-
-
 @dataclass(eq=False, slots=True)
 class _Block:
     """One entered ``with`` block of a handle: its owner, hold (None: FAIL_OPEN) and scope."""
@@ -129,26 +113,12 @@ class Mutex:
     :func:`django_redis_mutex.mutex`, which does so for you.
     """
 
-    # The quorum variant registers itself here (see quorum.py), so this module
-    # never imports it back.
-    quorum_class: type[Mutex] | None = None
-    # Starts every exclusive token of this class: "q" marks a quorum lock's
-    # (see quorum.py); a shared token starts with "s".
-    token_prefix: str = ""
     # What this handle takes, in messages, log lines and signals ("lock", or
     # "semaphore" for a permit of a Semaphore), and the extra arguments of its
     # acquisitions (a semaphore's limit).
     kind: str = "lock"
     _limit_args: tuple[int, ...] = ()
     _kind_signal: dict[str, str] = {}
-
-    def __new__(cls, name: str, *, using: str | Sequence[str] = "default", **options: Any) -> Mutex:
-        # A list of aliases, or an alias whose MUTEX block names a QUORUM, makes
-        # a Redlock-style quorum lock with the same interface.
-        if cls is Mutex and wants_quorum(using):
-            assert Mutex.quorum_class is not None  # registered by the package's import
-            return super().__new__(Mutex.quorum_class)
-        return super().__new__(cls)
 
     def __init__(
         self,
@@ -169,8 +139,12 @@ class Mutex:
         #: none while an exclusive holder has it.
         self.shared: bool = validate_flag("shared", shared)
         self._acquire_script = scripts.ACQUIRE_SHARED if self.shared else scripts.ACQUIRE
-        if isinstance(using, (list, tuple)) and len(using) == 1:
-            using = using[0]
+        # A list of aliases, or an alias whose MUTEX block names a QUORUM, puts
+        # the lock on a quorum of masters; its settings are that alias's, or
+        # the first member's.
+        members = quorum_members(using)
+        if isinstance(using, (list, tuple)):
+            using = members[0] if members else using[0] if len(using) == 1 else using
         if not isinstance(using, str):
             raise TypeError(f"using must be a cache alias (a string), not {type(using).__name__}.")
         self.using = using
@@ -196,6 +170,7 @@ class Mutex:
         )
         self.label = validate_label(label)
         self.keys = self._keys_on(using)
+        self._where: OneRedis = OneRedis(self) if members is None else Quorum(self, members)
         # One entry per level this handle holds; a nested level repeats its hold.
         self._levels: list[Hold] = []
         # One entry per entered with block, so each exit leaves what its enter took.
@@ -206,7 +181,20 @@ class Mutex:
 
     def __repr__(self) -> str:
         state = f"fence={self.fence}" if self._current() is not None else "unlocked"
-        return f"<Mutex {self.name!r} using={self.using!r} {state}>"
+        return f"<{type(self).__name__} {self.name!r} using={self._using_shown()!r} {state}>"
+
+    def _using_shown(self) -> str | list[str]:
+        return list(self.aliases) if self.quorum > 1 else self.using
+
+    @property
+    def aliases(self) -> tuple[str, ...]:
+        """The cache aliases of every Redis the lock lives on (one, or a quorum's masters)."""
+        return self._where.aliases
+
+    @property
+    def quorum(self) -> int:
+        """How many of :attr:`aliases` must grant a hold (1 on one Redis)."""
+        return self._where.quorum
 
     # -- state ---------------------------------------------------------------
 
@@ -260,23 +248,14 @@ class Mutex:
                 contention = next(reversed(self._contended.values()))
         return (contention or Contention()).error(self.name)
 
-    # -- where the lock lives (a quorum lock overrides these) ----------------
+    # -- where the lock lives, and what it asks for ---------------------------
 
     def _keys_on(self, alias: str) -> LockKeys:
         """Return this handle's keys in ``alias``'s namespace (a semaphore's are its own)."""
         return LockKeys.for_name(namespace(alias), self.name)
 
-    def _targets(self) -> tuple[tuple[str, str], ...]:
-        """Return (alias, lock key) of every Redis this lock lives on."""
-        return ((self.using, self.keys.lock),)
-
-    def _majority(self) -> tuple[int, float]:
-        """Return how many places must agree, and the clock drift allowance in seconds."""
-        return 1, 0.0
-
-    # -- the steps of each operation (no I/O: see driver.py) -----------------
-
     def _acquire_args(self, attempt: Attempt, join: bool) -> list[Any]:
+        """Return ACQUIRE's (or ACQUIRE_SHARED's) ARGV for ``attempt``."""
         return [
             attempt.token,
             lease_ms(self.lease),
@@ -284,222 +263,6 @@ class Mutex:
             1 if join else 0,
             *self._limit_args,
         ]
-
-    def _grant(self, fence: Any, sent: float, lease: float, successor: str | None = None) -> Grant:
-        return Grant(int(fence), {self.using: (sent, lease)}, successor)
-
-    def _granted_by(self, reply: list[Any], sent: float) -> Grant:
-        # {1, fence, pttl, successor}: with pttl ms left (-1: our lease; else
-        # handed over earlier, with what is left of a shorter lease) and the
-        # next in line.
-        pttl = int(reply[2])
-        lease = self.lease if pttl < 0 else max(pttl, 1) / 1000
-        return self._grant(reply[1], sent, lease, decode(reply[3]) or None)
-
-    def _granted_steps(self, reply: list[Any], sent: float) -> Steps[Grant]:
-        """Return the grant a {1, ...} answer carries, waking whom it says to wake first.
-
-        ACQUIRE_SHARED may admit a run of shared waiters with the caller: their
-        tokens come as a fifth item.
-        """
-        if len(reply) > 4:
-            yield from self._wake(reply[4])
-        return self._granted_by(reply, sent)
-
-    def _acquire_steps(self, attempt: Attempt) -> Steps[Grant | None]:
-        """Acquire: try once; when blocking, queue and wait to be handed the lock."""
-        if self.settings.wait_replicas:
-            return (yield from self._replicated_acquire_steps(attempt))
-        keys = self.keys.with_wake(attempt.token)
-        sent, reply = yield Script(
-            self.using, self._acquire_script, keys, self._acquire_args(attempt, attempt.blocking)
-        )
-        if not isinstance(reply, list):  # the fence alone: ours, nobody in line
-            return self._grant(reply, sent, self.lease)
-        if reply[0] == 1:
-            return (yield from self._granted_steps(reply, sent))
-        yield from self._wake(reply[3])
-        self._refused(attempt, reply)
-        if not attempt.blocking:
-            return None
-        return (yield from self._wait_steps(attempt, reply, sent))
-
-    def _replicated_acquire_steps(self, attempt: Attempt) -> Steps[Grant | None]:
-        """Acquire as :meth:`_acquire_steps` does, then have WAIT_REPLICAS replicas acknowledge it.
-
-        WAIT counts the replication offset of its own connection's last write.
-        The first try is sent with its WAIT in one round trip, which covers a
-        lock this script wrote. A lock handed over by someone else's release
-        (or found granted at a later check-in) was not our connection's last
-        write: we confirm it with a write of our own (EXTEND to the full lease)
-        and WAIT after that, which covers the hand-off written before it.
-        """
-        replicas, timeout = self.settings.wait_replicas, self.settings.wait_timeout
-        token = attempt.token
-        sent, reply, acknowledged = yield Acknowledged(
-            self.using,
-            self._acquire_script,
-            self.keys.with_wake(token),
-            self._acquire_args(attempt, attempt.blocking),
-            replicas,
-            timeout,
-        )
-        if not isinstance(reply, list):  # the fence alone: written by this very script
-            grant = self._grant(reply, sent, self.lease)
-            return (yield from self._acknowledged(token, grant, acknowledged))
-        if reply[0] == 1 and int(reply[2]) < 0:  # granted by this very script
-            grant = yield from self._granted_steps(reply, sent)
-            return (yield from self._acknowledged(token, grant, acknowledged))
-        if reply[0] != 1:
-            yield from self._wake(reply[3])
-            self._refused(attempt, reply)
-            if not attempt.blocking:
-                return None
-        refused_sent = sent
-        while True:
-            if reply[0] == 1:
-                handed: Grant | None = yield from self._granted_steps(reply, sent)
-            else:
-                handed = yield from self._wait_steps(attempt, reply, refused_sent)
-            if handed is None:
-                return None
-            sent, extended, acknowledged = yield Acknowledged(
-                self.using,
-                scripts.EXTEND,
-                [self.keys.lock],
-                [token, lease_ms(self.lease)],
-                replicas,
-                timeout,
-            )
-            if extended:
-                grant = Grant(handed.fence, {self.using: (sent, self.lease)}, handed.successor)
-                return (yield from self._acknowledged(token, grant, acknowledged))
-            # The hand-over lapsed before we confirmed it (a long pause): back
-            # in line, checking in at once.
-            reply, refused_sent = [0, 1, "", ""], sent
-
-    def _acknowledged(self, token: str, grant: Grant, acknowledged: int) -> Steps[Grant]:
-        """Return ``grant`` if enough replicas acknowledged it; else release it and raise."""
-        required = self.settings.wait_replicas
-        if acknowledged >= required:
-            return grant
-        yield from self._release_call_steps(token, grant.successor)
-        raise LockNotReplicated(
-            self.name,
-            alias=self.using,
-            acknowledged=acknowledged,
-            required=required,
-            timeout=self.settings.wait_timeout,
-        )
-
-    def _wait_steps(
-        self, attempt: Attempt, reply: list[Any], refused_sent: float
-    ) -> Steps[Grant | None]:
-        """Wait in line until handed the lock or the deadline passes.
-
-        ``refused_sent`` is when the last check-in that found the lock not yet
-        ours was sent: a hand-over pushed to our wake-up list happened after
-        it, so its lease is counted from then.
-        """
-        token, deadline = attempt.token, attempt.deadline
-        keys = self.keys.with_wake(token)
-        wake_key = keys[-1]
-        handoff = min(self.lease, HANDOFF_LEASE)
-        # Check in often enough that a hand-over's lease, counted from the last
-        # check-in, is still mostly ahead of us when we are woken.
-        longest = min(WAIT_LEASE / 2, handoff / 2)
-        while True:
-            now = time.monotonic()
-            if deadline is not None and now >= deadline:
-                return (yield from self._cancel_steps(token))
-            wait, local = _wait_slice(deadline, reply[1], now, longest)
-            if local:
-                yield Sleep(wait)
-            else:
-                popped = yield Pop(self.using, wake_key, wait, longest)
-                if popped:
-                    left = refused_sent + handoff - time.monotonic()
-                    if left > handoff * _CONFIRM_SHARE:
-                        woken = parse_wakeup(popped[1])
-                        return self._grant(woken.fence, refused_sent, handoff, woken.successor)
-                    # Woken late (a paused process or loop): most of the hand-over
-                    # lease may be spent; the check-in below asks Redis.
-            sent, reply = yield Script(
-                self.using, self._acquire_script, keys, self._acquire_args(attempt, True)
-            )
-            if not isinstance(reply, list):
-                return self._grant(reply, sent, self.lease)
-            if reply[0] == 1:
-                return (yield from self._granted_steps(reply, sent))
-            yield from self._wake(reply[3])
-            refused_sent = sent
-            self._refused(attempt, reply)
-
-    def _wake(self, handed: Any) -> Steps[None]:
-        """Wake the waiter a script handed the lock to, if its answer ``handed`` names one.
-
-        ACQUIRE does so when it finds the lock expired with live waiters,
-        CANCEL when it leaves a free lock, RELEASE when the first in line is
-        not the successor the holder expected.
-        """
-        for head in handed_to(handed):
-            yield from wake_steps(self.using, self.keys, head)
-
-    def _cancel_steps(self, token: str) -> Steps[Grant | None]:
-        """Leave the queue; return the grant if the lock had been handed to us just before."""
-        sent, final = yield Script(
-            self.using, scripts.CANCEL, self.keys.with_wake(token), [token, *self._limit_args]
-        )
-        if final[0] == 1:
-            return self._granted_by(final, sent)
-        if len(final) > 1:  # {0, token}: the lock was free and went to the next in line
-            yield from self._wake(final[1])
-        return None
-
-    def _abandon_steps(self, token: str) -> Steps[None]:
-        """Leave the queue after an interrupted wait, releasing the lock if it was handed over."""
-        grant = yield from self._cancel_steps(token)
-        if grant is not None:
-            yield from self._release_call_steps(token, grant.successor)
-
-    def _release_steps(self, hold: Hold) -> Steps[bool]:
-        return self._release_call_steps(hold.token, hold.successor)
-
-    def _release_call_steps(self, token: str, successor: str | None) -> Steps[bool]:
-        """Release ``token``'s lock, waking whoever it is handed to; return True if it was ours.
-
-        The expected successor's wake-up list is declared, so the common
-        hand-over wakes it in the same script; anyone else gets WAKE after.
-        """
-        keys: tuple[str, ...] = self.keys.script_keys
-        args = [token]
-        if successor is not None:
-            keys, args = self.keys.with_wake(successor), [token, successor]
-        _sent, released = yield Script(self.using, scripts.RELEASE, keys, args)
-        if type(released) is not int:  # a token: the waiter it went to, not woken yet
-            yield from self._wake(released)
-        return bool(released)
-
-    def _extend_steps(self, hold: Hold, ttl: float) -> Steps[bool]:
-        sent, ok = yield Script(
-            self.using, scripts.EXTEND, [self.keys.lock], [hold.token, lease_ms(ttl)]
-        )
-        if ok:
-            hold.confirm(self.using, sent, ttl)
-        else:
-            hold.refuse(self.using)
-        return bool(ok)
-
-    def _confirm_steps(self, hold: Hold) -> Steps[bool]:
-        """Before nesting into a hold whose local bound ran out, make sure it is still ours."""
-        if hold.strict:
-            # A quorum hold's validity is all a holder may count on.
-            _declare_lost(hold, "its validity ran out before a majority of masters renewed it")
-            return False
-        if not (yield from self._extend_steps(hold, hold.ttl)):
-            _declare_lost(hold, "it was no longer held by this owner when nested into")
-            return False
-        return True
 
     # -- acquire -------------------------------------------------------------
 
@@ -513,7 +276,7 @@ class Mutex:
         handle joins a hold only inside the ``with`` block (or decorated call)
         of the same owner that holds it.
         """
-        hold: Hold | None = awaiting_hold(self._targets())
+        hold: Hold | None = awaiting_hold(self._where.targets())
         if hold is not None:
             # Our own block ended earlier in this still-open transaction: the
             # lock is ours until it ends, reentrant or not.
@@ -525,7 +288,7 @@ class Mutex:
             with self._state:
                 hold = next((h for h in reversed(self._levels) if h.owner == owner), None)
         if hold is None:
-            hold = scoped_hold(self._targets())
+            hold = scoped_hold(self._where.targets())
         if hold is None or hold.lost or hold.releasing or not hold.active:
             return None
         return self._joinable(hold)
@@ -549,7 +312,7 @@ class Mutex:
 
     def _acquisition_steps(self, attempt: Attempt) -> Steps[Grant | None]:
         """Return the steps of a new acquisition, telling ``lock_waiting`` receivers if any."""
-        steps = self._acquire_steps(attempt)
+        steps = self._where.acquire_steps(attempt)
         if attempt.blocking and signals.lock_waiting.receivers:
             return _told_waits(steps, self.using, self.name)
         return steps
@@ -561,9 +324,9 @@ class Mutex:
         # A shared token starts with "s", which no hex token does: the scripts
         # tell shared holders and waiters from exclusive ones by it.
         token = (
-            "s" + self.token_prefix + secrets.token_hex(16)
+            "s" + self._where.token_prefix + secrets.token_hex(16)
             if self.shared
-            else self.token_prefix + secrets.token_hex(16)
+            else self._where.token_prefix + secrets.token_hex(16)
         )
         return Attempt(token, blocking, started, deadline, owner_metadata(self.label))
 
@@ -614,7 +377,6 @@ class Mutex:
         ``owner`` defaults to the code running now (an async acquisition
         adopts in its child task, on behalf of the caller's task).
         """
-        quorum, drift = self._majority()
         hold = Hold(
             alias=self.using,
             name=self.name,
@@ -623,9 +385,9 @@ class Mutex:
             fence=grant.fence,
             ttl=self.lease,
             owner=current_owner() if owner is None else owner,
-            targets=self._targets(),
-            quorum=quorum,
-            drift=drift,
+            targets=self._where.targets(),
+            quorum=self._where.quorum,
+            drift=self._where.drift,
             max_hold=self.settings.max_hold,
             raise_on_lost=self.settings.raise_on_lost,
             successor=grant.successor,
@@ -668,7 +430,7 @@ class Mutex:
         hold = self._nest_candidate()
         if hold is not None:
             with backend_errors(self.name, self.using):
-                if hold.valid() or run_steps(self._confirm_steps(hold)):
+                if hold.valid() or run_steps(self._where.confirm_steps(hold)):
                     self._nest_into(hold)
                     return hold
         attempt = self._start(blocking, timeout)
@@ -722,7 +484,7 @@ class Mutex:
         get_watchdog().unwatch(hold)
         try:
             with backend_errors(self.name, self.using):
-                kept = not hold.strict and run_steps(self._extend_steps(hold, self.lease))
+                kept = not hold.strict and run_steps(self._where.extend_steps(hold, self.lease))
         except BaseException:
             self._give_back(hold)
             raise
@@ -739,7 +501,7 @@ class Mutex:
         try:
             with backend_errors(self.name, self.using):
                 kept = not hold.strict and await AsyncDriver().run(
-                    self._extend_steps(hold, self.lease)
+                    self._where.extend_steps(hold, self.lease)
                 )
         except BaseException:
             await asyncio.shield(self._agive_back(hold))
@@ -764,13 +526,13 @@ class Mutex:
         """
         give_back_later(
             f"{self.kind} {self.name!r}",
-            lambda: self._abandon_steps(token),
+            lambda: self._where.abandon_steps(token),
             max(self.lease, WAIT_LEASE),
         )
 
     def _abandon(self, token: str) -> None:
         try:
-            run_steps(self._abandon_steps(token))
+            run_steps(self._where.abandon_steps(token))
         except Exception as exc:  # the interrupt that brought us here is what propagates
             self._abandon_failed(token, exc)
 
@@ -795,7 +557,7 @@ class Mutex:
         hold = self._nest_candidate()
         if hold is not None:
             with backend_errors(self.name, self.using):
-                if hold.valid() or await AsyncDriver().run(self._confirm_steps(hold)):
+                if hold.valid() or await AsyncDriver().run(self._where.confirm_steps(hold)):
                     self._nest_into(hold)
                     return hold
         attempt = self._start(blocking, timeout)
@@ -860,7 +622,7 @@ class Mutex:
 
     async def _aabandon(self, token: str) -> None:
         try:
-            await AsyncDriver().run(self._abandon_steps(token))
+            await AsyncDriver().run(self._where.abandon_steps(token))
         except Exception as exc:
             self._abandon_failed(token, exc)
 
@@ -879,14 +641,14 @@ class Mutex:
         """Release a hold the caller will never see (best effort; its lease ends anyway)."""
         self._forget(hold)
         try:
-            run_steps(self._release_steps(hold))
+            run_steps(self._where.release_steps(hold))
         except Exception as exc:
             logger.warning("Could not give back %s %r: %s", self.kind, self.name, exc)
 
     async def _agive_back(self, hold: Hold) -> None:
         self._forget(hold)
         try:
-            await AsyncDriver().run(self._release_steps(hold))
+            await AsyncDriver().run(self._where.release_steps(hold))
         except Exception as exc:
             logger.warning("Could not give back %s %r: %s", self.kind, self.name, exc)
 
@@ -905,7 +667,7 @@ class Mutex:
         if isinstance(sys.exc_info()[1], LockBackendUnavailable):
             give_back_later(
                 f"{self.kind} {self.name!r} (fence {hold.fence})",
-                lambda: self._release_steps(hold),
+                lambda: self._where.release_steps(hold),
                 hold.ttl,
                 lambda: hold.active,
             )
@@ -950,7 +712,7 @@ class Mutex:
                     **self._kind_signal,
                 )
             return
-        _declare_lost(hold, "it was no longer held by this owner at release")
+        declare_lost(hold, "it was no longer held by this owner at release")
         raise LockNotOwned(
             f"{hold.describe()} was no longer held at release: "
             "it expired, was reset, or was taken by another owner.",
@@ -973,7 +735,7 @@ class Mutex:
             return
         kept = self._kept_for_transaction(hold)
         if kept is not None:
-            if kept and not run_steps(self._mark_steps(hold, kept)):
+            if kept and not run_steps(self._where.mark_steps(hold, kept)):
                 self._lost_while_kept(hold)
             return
         # Stop renewing first: a renewal answered after our release would
@@ -981,7 +743,7 @@ class Mutex:
         get_watchdog().unwatch(hold)
         try:
             with backend_errors(self.name, self.using):
-                released = run_steps(self._release_steps(hold))
+                released = run_steps(self._where.release_steps(hold))
         except BaseException:
             self._release_failed_locally(hold)
             raise
@@ -1025,19 +787,6 @@ class Mutex:
             )
         return list(wait.aliases) if newly else []
 
-    def _mark_steps(self, hold: Hold, databases: list[str]) -> Steps[bool]:
-        """Mark the owner record: kept until the transaction on ``databases`` ends.
-
-        Return False when Redis answered that the lock is no longer ours, so
-        the block is told before its transaction commits. A mark that failed
-        (logged) proves nothing either way: the hold is kept.
-        """
-        owner = mark_transaction(owner_metadata(self.label), databases)
-        _sent, marked = yield Script(
-            self.using, scripts.MARK_TRANSACTION, [self.keys.lock], [hold.token, owner], True
-        )
-        return bool(marked != 0)
-
     def _lost_while_kept(self, hold: Hold) -> None:
         """The lock was gone when its block ended in a transaction: tell the block."""
         wait = hold.transaction_wait
@@ -1057,7 +806,7 @@ class Mutex:
         databases = tuple(wait.aliases) if wait is not None else ()
         try:
             with backend_errors(self.name, self.using):
-                released = run_steps(self._release_steps(hold))
+                released = run_steps(self._where.release_steps(hold))
         except LockBackendUnavailable as exc:
             self._forget(hold, unwatched=True)
             logger.error(
@@ -1069,13 +818,13 @@ class Mutex:
             # Its owner has left: nothing may keep it until its lease ends.
             give_back_later(
                 f"{self.kind} {self.name!r} (fence {hold.fence})",
-                lambda: self._release_steps(hold),
+                lambda: self._where.release_steps(hold),
                 hold.ttl,
             )
             return
         if not released:
             self._forget(hold, unwatched=True)
-            _declare_lost(hold, "it was no longer held by this owner when its transaction ended")
+            declare_lost(hold, "it was no longer held by this owner when its transaction ended")
             logger.error(
                 "Lock %r (fence %s) was lost before its transaction ended: another owner may "
                 "have entered while the transaction was open.",
@@ -1094,13 +843,13 @@ class Mutex:
             return
         kept = self._kept_for_transaction(hold)
         if kept is not None:
-            if kept and not await AsyncDriver().run(self._mark_steps(hold, kept)):
+            if kept and not await AsyncDriver().run(self._where.mark_steps(hold, kept)):
                 self._lost_while_kept(hold)
             return
         get_watchdog().unwatch(hold)
         try:
             with backend_errors(self.name, self.using):
-                released = await AsyncDriver().run(self._release_steps(hold))
+                released = await AsyncDriver().run(self._where.release_steps(hold))
         except BaseException:
             self._release_failed_locally(hold)
             raise
@@ -1110,7 +859,7 @@ class Mutex:
 
     def _extended(self, hold: Hold, ttl: float, ok: bool) -> None:
         if not ok:
-            _declare_lost(hold, "extend found it held by another owner or gone")
+            declare_lost(hold, "extend found it held by another owner or gone")
             raise LockNotOwned(
                 f"Cannot extend {self.kind} {self.name!r}: it is no longer held by this handle.",
                 name=self.name,
@@ -1127,7 +876,7 @@ class Mutex:
         ttl = self.lease if ttl is None else validate_ttl(ttl)
         hold = self._held_or_raise("extend")
         with backend_errors(self.name, self.using):
-            ok = run_steps(self._extend_steps(hold, ttl))
+            ok = run_steps(self._where.extend_steps(hold, ttl))
         self._extended(hold, ttl, ok)
 
     async def aextend(self, ttl: float | None = None) -> None:
@@ -1135,38 +884,38 @@ class Mutex:
         ttl = self.lease if ttl is None else validate_ttl(ttl)
         hold = self._held_or_raise("extend")
         with backend_errors(self.name, self.using):
-            ok = await AsyncDriver().run(self._extend_steps(hold, ttl))
+            ok = await AsyncDriver().run(self._where.extend_steps(hold, ttl))
         self._extended(hold, ttl, ok)
 
     def time_left(self) -> float:
         """Return the seconds left on this handle's lease (asks Redis), 0.0 if it holds none."""
         with backend_errors(self.name, self.using):
-            return run_steps(self._time_left_steps())
+            return run_steps(self._where.time_left_steps(self._current()))
 
     async def atime_left(self) -> float:
         """Async twin of :meth:`time_left`."""
         with backend_errors(self.name, self.using):
-            return await AsyncDriver().run(self._time_left_steps())
+            return await AsyncDriver().run(self._where.time_left_steps(self._current()))
 
     def owned(self) -> bool:
         """Return True if this handle holds the lock right now (asks Redis)."""
         with backend_errors(self.name, self.using):
-            return run_steps(self._owned_steps())
+            return run_steps(self._where.owned_steps(self._current()))
 
     async def aowned(self) -> bool:
         """Async twin of :meth:`owned`."""
         with backend_errors(self.name, self.using):
-            return await AsyncDriver().run(self._owned_steps())
+            return await AsyncDriver().run(self._where.owned_steps(self._current()))
 
     def locked(self) -> bool:
         """Return True if anyone holds the lock right now."""
         with backend_errors(self.name, self.using):
-            return run_steps(self._holder_steps()) is not None
+            return run_steps(self._where.holder_steps()) is not None
 
     async def alocked(self) -> bool:
         """Async twin of :meth:`locked`."""
         with backend_errors(self.name, self.using):
-            return await AsyncDriver().run(self._holder_steps()) is not None
+            return await AsyncDriver().run(self._where.holder_steps()) is not None
 
     def ttl(self) -> float:
         """Deprecated name of :meth:`time_left` (``ttl=`` is the lease length)."""
@@ -1185,40 +934,12 @@ class Mutex:
         :func:`~django_redis_mutex.held_locks` for all of them).
         """
         with backend_errors(self.name, self.using):
-            return run_steps(self._holder_steps()) or None
+            return run_steps(self._where.holder_steps()) or None
 
     async def aowner(self) -> Owner | None:
         """Async twin of :meth:`owner`."""
         with backend_errors(self.name, self.using):
-            return await AsyncDriver().run(self._holder_steps()) or None
-
-    def _time_left_steps(self) -> Steps[float]:
-        hold = self._current()
-        if hold is None:
-            return 0.0
-        # What is left of our own hold, exclusive or shared, at one instant.
-        _sent, state = yield Script(self.using, scripts.READ_STATE, (self.keys.lock,), [hold.token])
-        return max(int(state[3]), 0) / 1000
-
-    def _owned_steps(self) -> Steps[bool]:
-        hold = self._current()
-        if hold is None:
-            return False
-        if hold.shared:
-            return (yield from self._shared_left_steps(hold)) > 0
-        token = yield Read(self.using, ("HGET", self.keys.lock, "token"))
-        return decode(token) == hold.token
-
-    def _holder_steps(self) -> Steps[Owner | Literal[""] | None]:
-        """Return the holder's owner, "" when it cannot be read, None when the lock is free."""
-        fields = yield Read(self.using, ("HGETALL", self.keys.lock))
-        clock = (yield Read(self.using, ("TIME",))) if _held_shared(fields) else None
-        return _holder_owner(fields, clock)
-
-    def _shared_left_steps(self, hold: Hold) -> Steps[float]:
-        record = yield Read(self.using, ("HGET", self.keys.lock, "r:" + hold.token))
-        clock = (yield Read(self.using, ("TIME",))) if record else None
-        return _shared_left(record, clock)
+            return await AsyncDriver().run(self._where.holder_steps()) or None
 
     # -- context manager -----------------------------------------------------
     #
@@ -1282,7 +1003,7 @@ class Mutex:
             close_scope(block.scope)
         hold = block.hold
         if hold.strict and hold.active and not hold.valid():
-            _declare_lost(hold, "its validity ran out before a majority of masters renewed it")
+            declare_lost(hold, "its validity ran out before a majority of masters renewed it")
         return hold
 
     def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> Literal[False]:
@@ -1335,51 +1056,12 @@ class Mutex:
         raise error
 
 
-def _wait_slice(
-    deadline: float | None, pttl: int, now: float, longest: float
-) -> tuple[float, bool]:
-    """Return how long to wait now, and whether to sleep locally instead of blocking on Redis.
-
-    The wait ends at the deadline, at the holder's expiry, or at a check-in.
-    Redis ends a blocking pop only on its timer tick (every 1000/hz ms), so the
-    last tick before a holder's expiry is slept here and the waiter checks in
-    right after the key expired.
-    """
-    wait = longest
-    if deadline is not None:
-        wait = min(wait, deadline - now)
-    local = False
-    # PTTL answers 0 for a key with less than a millisecond left: that holder
-    # expires now, not "no expiry known" (-1, -2), which would make the waiter
-    # sit out a whole check-in interval after the lock came free.
-    if pttl >= 0:
-        expiry = pttl / 1000 + _EXPIRY_MARGIN
-        if expiry <= REDIS_TICK:
-            wait, local = min(wait, expiry), True
-        else:
-            wait = min(wait, expiry - REDIS_TICK)
-    return max(wait, 0.001), local
-
-
 def _renamed(old: str, new: str) -> None:
     warnings.warn(
         f"{old} is deprecated, use {new}: everywhere else ttl is the lease length.",
         DeprecationWarning,
         stacklevel=3,
     )
-
-
-def _declare_lost(hold: Hold, reason: str) -> None:
-    """Mark ``hold`` lost, stop renewing it and tell ``lock_lost`` receivers (once)."""
-    get_watchdog().unwatch(hold)
-    if not hold.mark_lost(reason) or not signals.lock_lost.receivers:
-        return
-    held = time.monotonic() - hold.acquired_at
-    for receiver, error in signals.lock_lost.send_robust(
-        sender=hold.alias, **hold.lost_signal(held)
-    ):
-        if isinstance(error, Exception):
-            logger.error("lock_lost receiver %r failed: %r", receiver, error)
 
 
 class _acquisition_errors(backend_errors):
@@ -1447,14 +1129,6 @@ def _tell_waiting(alias: str, name: str, waiting: bool) -> None:
             logger.error("lock_waiting receiver %r failed: %r", receiver, error)
 
 
-def wants_quorum(using: object) -> bool:
-    if isinstance(using, (list, tuple)):
-        return len(using) > 1
-    if isinstance(using, str):
-        return get_settings(using).quorum is not None
-    return False
-
-
 def wait_params(
     blocking: Any, timeout: Any, default_blocking: bool, default_timeout: float | None
 ) -> tuple[bool, float | None]:
@@ -1473,36 +1147,19 @@ def wait_params(
     return blocking, timeout
 
 
-def _shared_left(record: Any, server_time: Any) -> float:
-    """Return the seconds left on a shared holder's record (0.0 if gone), by the server clock."""
-    parsed = SharedRecord.parse(decode(record)) if record else None
-    if parsed is None:
-        return 0.0
-    return max(0, parsed.ends - server_ms(server_time)) / 1000
+class QuorumMutex(Mutex):
+    """Deprecated: every :class:`Mutex` lives on a quorum when ``using`` names one.
 
-
-def _held_shared(fields: dict[Any, Any]) -> bool:
-    """True when a lock hash has no exclusive holder but does have shared records."""
-    keys = [decode(key) for key in fields]
-    return "token" not in keys and any(key.startswith("r:") for key in keys)
-
-
-def _holder_owner(fields: dict[Any, Any], server_time: Any) -> Owner | Literal[""] | None:
-    """Return the owner in a lock hash (the exclusive holder's, else a live shared holder's).
-
-    None when nobody holds the lock: no hash, or only shared records whose
-    lease ended (dropped by the next script that looks); ``server_time`` is
-    needed only then. A holder whose owner record cannot be read comes back
-    as "" (held, owner unknown).
+    Kept so that code written when a quorum lock had a class of its own still
+    runs: it builds a Mutex that must be on a quorum.
     """
-    record = {decode(key): decode(value) for key, value in fields.items()}
-    if "token" in record:
-        return parse_owner(record.get("owner")) or ""
-    if not _held_shared(fields):
-        return None
-    now_ms = server_ms(server_time)
-    for key, value in sorted(record.items()):
-        shared = SharedRecord.parse(value) if key.startswith("r:") else None
-        if shared is not None and shared.ends > now_ms:
-            return parse_owner(shared.owner) or ""
-    return None
+
+    def __init__(self, name: str, *, using: Any = "default", **options: Any) -> None:
+        warnings.warn(
+            "QuorumMutex is deprecated: Mutex(name, using=[...]) is a quorum lock.",
+            DeprecationWarning,
+            stacklevel=2,
+        )
+        if quorum_members(using) is None:
+            raise ImproperlyConfigured(f"QuorumMutex {name!r}: {using!r} names no quorum.")
+        super().__init__(name, using=using, **options)

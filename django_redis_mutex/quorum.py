@@ -1,4 +1,10 @@
-"""QuorumMutex: one lock across several independent Redis masters (Redlock).
+"""Quorum: where a lock lives on several independent Redis masters (Redlock).
+
+Any kind of lock lives on a quorum: ``Mutex(name, using=["r1", "r2", "r3"])``,
+``Mutex(..., shared=True)``, ``Semaphore(name, limit, using=[...])``, or the
+same with an alias whose ``MUTEX`` block names a ``QUORUM``. The handle is the
+same; :class:`Quorum` answers its operations as
+:class:`~django_redis_mutex.topology.OneRedis` does for one Redis.
 
 A lock is held when a majority of the masters granted it within its validity
 window: the lease minus the time the acquisition took minus an allowance for
@@ -16,6 +22,12 @@ release script the way a single-master lock does: a waiter retries after a
 short random delay, capped by the holder's remaining lease (the Redlock
 algorithm's own advice against synchronised retries).
 
+A semaphore's permit needs more than a majority when its limit is above
+one: more than ``masters * limit / (limit + 1)`` masters, so that ``limit + 1``
+holders would need more grants than the masters together admit (a majority
+would let three holders of a limit of two each hold a different pair of three
+masters).
+
 Fencing tokens: the fence of a hold is the largest fence the granting masters
 handed out, and it is then written to every master as a floor; any later
 majority overlaps this one, so its fence is larger still.
@@ -25,8 +37,8 @@ from __future__ import annotations
 
 import random
 import time
-from collections.abc import Callable, Sequence
-from typing import Any, Literal, NamedTuple
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, Literal, NamedTuple
 
 from django.core.exceptions import ImproperlyConfigured
 
@@ -36,10 +48,13 @@ from .driver import Each, Fanned, Sleep, Steps
 from .exceptions import LockBackendUnavailable
 from .holds import Attempt, Hold, decode, owner_metadata
 from .keys import LockKeys
-from .lock import Grant, Mutex
+from .topology import Grant, OneRedis
+
+if TYPE_CHECKING:
+    from .lock import Mutex
 from .owners import Owner, mark_transaction, parse_owner
 
-__all__ = ["QuorumMutex"]
+__all__ = ["Quorum", "quorum_members"]
 
 # Redlock's allowance for clock drift between masters: 1% of the lease + 2 ms.
 CLOCK_DRIFT_FACTOR = 0.01
@@ -47,72 +62,59 @@ CLOCK_DRIFT_FACTOR = 0.01
 RETRY_DELAY = (0.005, 0.05)
 
 
-def _quorum_aliases(using: str | Sequence[str]) -> tuple[str, ...]:
+def quorum_members(using: object) -> tuple[str, ...] | None:
+    """Return the masters of the quorum ``using`` names, or None for one Redis.
+
+    A quorum is named by a list of aliases, or by an alias whose MUTEX block
+    has a QUORUM.
+    """
     if isinstance(using, (list, tuple)):
-        return validate_aliases(using)
-    quorum = get_settings(using).quorum
-    assert quorum is not None  # Mutex.__new__ only sends such aliases here
-    return quorum
+        return validate_aliases(using) if len(using) > 1 else None
+    if isinstance(using, str):
+        return get_settings(using).quorum
+    return None
 
 
-class QuorumMutex(Mutex):
-    """A :class:`Mutex` held on a majority of independent Redis masters.
+class Quorum(OneRedis):
+    """The steps of a lock's operations on a quorum of independent masters.
 
-    Built by ``Mutex(name, using=["r1", "r2", "r3"])`` or ``mutex(...)`` with
-    the same ``using``, or with an alias whose ``MUTEX`` block has
-    ``"QUORUM": [...]``. Settings (TTL, TIMEOUT, QUORUM_TIMEOUT, ...) come from
-    that alias, or from the first alias of the list.
-
-    Its reads count masters: :meth:`~Mutex.owned` while a majority hold this
-    handle's token, :meth:`~Mutex.time_left` until fewer than a majority still
-    hold its lease, :meth:`~Mutex.locked` and :meth:`~Mutex.owner` for one
-    owner holding a majority. Like every quorum operation they ask the masters
-    all at once, each within QUORUM_TIMEOUT, and raise LockBackendUnavailable
-    when too few answer to make a majority.
+    Its reads count masters: ``owned()`` while enough masters hold this
+    handle's hold, ``time_left()`` until fewer than that still hold its lease,
+    ``locked()`` and ``owner()`` for one owner holding enough. Like every
+    quorum operation they ask the masters all at once, each within
+    QUORUM_TIMEOUT, and raise LockBackendUnavailable when too few answer.
     """
 
     token_prefix = "q"
 
-    def __init__(self, name: str, *, using: Any = "default", **options: Any) -> None:
-        aliases = _quorum_aliases(using)
-        super().__init__(name, using=using if isinstance(using, str) else aliases[0], **options)
-        self.aliases = aliases
+    def __init__(self, lock: Mutex, aliases: tuple[str, ...]) -> None:
+        super().__init__(lock)
         for alias in aliases:
             if get_settings(alias).wait_replicas:
                 raise ImproperlyConfigured(
-                    f"Quorum lock {self.name!r} cannot use cache {alias!r}: its MUTEX "
+                    f"Quorum {lock.kind} {lock.name!r} cannot use cache {alias!r}: its MUTEX "
                     "block sets WAIT_REPLICAS, which is for one master and its replicas, "
                     "not for a quorum of masters."
                 )
-        self.quorum = self._quorum_of(len(aliases))
-        self.member_keys = {alias: self._keys_on(alias) for alias in aliases}
-        self.master_timeout = self.settings.quorum_timeout
+        self.aliases = aliases
+        limit = lock._limit_args[0] if lock._limit_args else 1
+        # A majority for a lock (any two share a master, which admits a writer
+        # only alone); for a semaphore, enough that no limit + 1 holders fit.
+        self.quorum = len(aliases) * limit // (limit + 1) + 1
+        self.drift = lock.lease * CLOCK_DRIFT_FACTOR + 0.002
+        self.member_keys = {alias: lock._keys_on(alias) for alias in aliases}
+        self.master_timeout = lock.settings.quorum_timeout
 
-    def __repr__(self) -> str:
-        state = f"fence={self.fence}" if self._current() is not None else "unlocked"
-        return f"<QuorumMutex {self.name!r} using={list(self.aliases)!r} {state}>"
-
-    def _quorum_of(self, members: int) -> int:
-        """Return how many masters must grant a hold: a majority.
-
-        Any two majorities share a master, which admits an exclusive holder
-        only alone: so an exclusive hold excludes every other hold, shared or
-        not, while shared holds may overlap.
-        """
-        return members // 2 + 1
-
-    def _targets(self) -> tuple[tuple[str, str], ...]:
+    def targets(self) -> tuple[tuple[str, str], ...]:
         return tuple((alias, self.member_keys[alias].lock) for alias in self.aliases)
-
-    def _majority(self) -> tuple[int, float]:
-        return self.quorum, self.lease * CLOCK_DRIFT_FACTOR + 0.002
 
     def _unavailable(self, errors: dict[str, BaseException], what: str) -> LockBackendUnavailable:
         detail = "; ".join(f"{alias}: {exc}" for alias, exc in errors.items())
         return LockBackendUnavailable(
-            f"Cannot {what} quorum lock {self.name!r}: {len(errors)} of {len(self.aliases)} "
+            f"Cannot {what} quorum {self.lock.kind} {self.lock.name!r}: "
+            f"{len(errors)} of {len(self.aliases)} "
             f"Redis masters are unavailable ({detail}).",
-            name=self.name,
+            name=self.lock.name,
         )
 
     def _too_many_down(self, errors: dict[str, BaseException]) -> bool:
@@ -143,13 +145,13 @@ class QuorumMutex(Mutex):
             else:
                 pttl = max(pttl, int(reply[1]))
                 owner = owner or parse_owner(reply[2] or None)
-        _quorum, drift = self._majority()
         # Validity: the lease counted from when the requests were sent, less
         # the time they took and the clock drift allowance.
-        valid_until = fanned.sent + self.lease - drift
+        valid_until = fanned.sent + self.lock.lease - self.drift
         if len(granted) >= self.quorum and time.monotonic() < valid_until:
             return Grant(
-                max(granted.values()), {alias: (fanned.sent, self.lease) for alias in granted}
+                max(granted.values()),
+                {alias: (fanned.sent, self.lock.lease) for alias in granted},
             )
         attempt.refused(pttl, owner)
         return None
@@ -188,16 +190,16 @@ class QuorumMutex(Mutex):
             delay = min(delay, max(attempt.deadline - time.monotonic(), 0.0))
         return delay
 
-    def _acquire_steps(self, attempt: Attempt) -> Steps[Grant | None]:
+    def acquire_steps(self, attempt: Attempt) -> Steps[Grant | None]:
         # Quorum waiters never queue, so a release never hands over to one; a
         # plain lock of the same name queued on one master is woken by its own
         # check-in.
         token, deadline = attempt.token, attempt.deadline
         release_all = self._each(scripts.RELEASE, _queue_keys, [token])
         acquire = self._each(
-            self._acquire_script,
+            self.lock._acquire_script,
             lambda keys: keys.with_wake(token),
-            self._acquire_args(attempt, False),
+            self.lock._acquire_args(attempt, False),
         )
         while True:
             fanned = yield acquire
@@ -221,12 +223,12 @@ class QuorumMutex(Mutex):
                 return None
             yield Sleep(self._retry_delay(attempt))
 
-    def _abandon_steps(self, token: str) -> Steps[None]:
+    def abandon_steps(self, token: str) -> Steps[None]:
         yield self._each(scripts.RELEASE, _queue_keys, [token])
 
     # -- release, extend, confirm ------------------------------------------------
 
-    def _release_steps(self, hold: Hold) -> Steps[bool]:
+    def release_steps(self, hold: Hold) -> Steps[bool]:
         fanned = yield self._each(scripts.RELEASE, _queue_keys, [hold.token])
         if len(fanned.errors) >= self.quorum:
             # Too few masters answered to tell; the leases end by themselves.
@@ -236,17 +238,17 @@ class QuorumMutex(Mutex):
         # the hold was ours unless the answering ones show a majority lost it.
         return released + len(fanned.errors) >= self.quorum
 
-    def _mark_steps(self, hold: Hold, databases: list[str]) -> Steps[bool]:
+    def mark_steps(self, hold: Hold, databases: list[str]) -> Steps[bool]:
         """Mark the owner record on every master at once, each within QUORUM_TIMEOUT.
 
         Return False when too few masters still hold our key for a majority.
         """
-        owner = mark_transaction(owner_metadata(self.label), databases)
+        owner = mark_transaction(owner_metadata(self.lock.label), databases)
         fanned = yield self._each(scripts.MARK_TRANSACTION, _lock_key, [hold.token, owner])
         marked = sum(1 for reply in fanned.replies.values() if reply)
         return marked + len(fanned.errors) >= self.quorum
 
-    def _extend_steps(self, hold: Hold, ttl: float) -> Steps[bool]:
+    def extend_steps(self, hold: Hold, ttl: float) -> Steps[bool]:
         fanned = yield self._each(scripts.EXTEND, _lock_key, [hold.token, scripts.lease_ms(ttl)])
         for alias, reply in fanned.replies.items():
             if reply:
@@ -272,24 +274,22 @@ class QuorumMutex(Mutex):
             states.append(_State(holders, int(pttl), int(mine)))
         return states
 
-    def _time_left_steps(self) -> Steps[float]:
+    def time_left_steps(self, hold: Hold | None) -> Steps[float]:
         """Return the seconds until fewer than a majority of masters still hold our lease."""
-        hold = self._current()
         if hold is None:
             return 0.0
         states = yield from self._states_steps(hold.token)
         mine = sorted((state.mine for state in states if state.mine > 0), reverse=True)
         return mine[self.quorum - 1] / 1000 if len(mine) >= self.quorum else 0.0
 
-    def _owned_steps(self) -> Steps[bool]:
+    def owned_steps(self, hold: Hold | None) -> Steps[bool]:
         """Return True if a majority of masters hold this handle's hold."""
-        hold = self._current()
         if hold is None:
             return False
         states = yield from self._states_steps(hold.token)
         return sum(1 for state in states if state.mine > 0) >= self.quorum
 
-    def _holder_steps(self) -> Steps[Owner | Literal[""] | None]:
+    def holder_steps(self) -> Steps[Owner | Literal[""] | None]:
         """Return an owner holding a majority ("" if unreadable), or None."""
         counts: dict[str, int] = {}
         owners: dict[str, str] = {}
@@ -323,4 +323,10 @@ def _fence_key(keys: LockKeys) -> tuple[str, ...]:
     return (keys.fence,)
 
 
-Mutex.quorum_class = QuorumMutex
+def __getattr__(name: str) -> Any:
+    # QuorumMutex lives beside Mutex, which imports this module.
+    if name == "QuorumMutex":
+        from .lock import QuorumMutex
+
+        return QuorumMutex
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -31,9 +31,8 @@ from .handoff import reset_steps
 from .holds import decode
 from .introspection import parse_shared, scanned_keys
 from .keys import LockKeys, semaphore_pattern, validate_name
-from .lock import DEFAULT, Mutex, wants_quorum
+from .lock import DEFAULT, Mutex
 from .owners import Owner
-from .quorum import QuorumMutex
 
 __all__ = [
     "HeldSemaphore",
@@ -79,15 +78,6 @@ class Semaphore(Mutex):
     kind = "semaphore"
     _kind_signal = {"kind": "semaphore"}
 
-    # The quorum variant registers itself here (see below), as for a lock.
-    quorum_class: type[Semaphore] | None = None
-
-    def __new__(cls, name: str, limit: int, **options: Any) -> Semaphore:
-        if cls is Semaphore and wants_quorum(options.get("using", "default")):
-            assert Semaphore.quorum_class is not None
-            return object.__new__(Semaphore.quorum_class)
-        return object.__new__(cls)
-
     def __init__(
         self,
         name: str,
@@ -119,7 +109,7 @@ class Semaphore(Mutex):
         )
 
     def __repr__(self) -> str:
-        return f"<Semaphore {self.name!r} limit={self.limit} using={self.using!r}>"
+        return f"<Semaphore {self.name!r} limit={self.limit} using={self._using_shown()!r}>"
 
     def _keys_on(self, alias: str) -> LockKeys:
         return LockKeys.for_semaphore(namespace(alias), self.name)
@@ -128,29 +118,6 @@ class Semaphore(Mutex):
     def ttl(self) -> float:  # type: ignore[override]
         """The lease of each permit, in seconds (``lease`` on a lock handle)."""
         return self.lease
-
-
-class QuorumSemaphore(Semaphore, QuorumMutex):
-    """A :class:`Semaphore` held on enough of several independent Redis masters.
-
-    Built by ``Semaphore(name, limit, using=["r1", "r2", "r3"])`` or with an
-    alias whose ``MUTEX`` block names a ``QUORUM``. A majority is not enough
-    for a limit above one: with three masters and a limit of two, three
-    holders could each hold on a different pair of masters, two per master.
-    Each permit is granted by more than ``masters * limit / (limit + 1)``
-    masters instead, so ``limit + 1`` holders would need more grants than the
-    masters together admit. The price is availability: a limit of two on
-    three masters needs all three.
-    """
-
-    def __repr__(self) -> str:
-        return f"<QuorumSemaphore {self.name!r} limit={self.limit} using={list(self.aliases)!r}>"
-
-    def _quorum_of(self, members: int) -> int:
-        return members * self.limit // (self.limit + 1) + 1
-
-
-Semaphore.quorum_class = QuorumSemaphore
 
 
 # -- semaphore(): with, async with, decorator -----------------------------------

@@ -41,7 +41,7 @@ from redis.exceptions import NoScriptError, ResponseError
 from . import scripts, signals
 from .holds import Lease
 
-__all__ = ["Renewable", "Watchdog", "announce_lost", "get_watchdog"]
+__all__ = ["Renewable", "Watchdog", "announce_lost", "declare_lost", "get_watchdog"]
 
 logger = logging.getLogger("django_redis_mutex")
 
@@ -184,7 +184,17 @@ class Watchdog:
             announce_lost(hold, reason)
 
 
-def announce_lost(item: Renewable, reason: str) -> bool:
+def declare_lost(item: Renewable, reason: str) -> None:
+    """Stop renewing ``item``, mark it lost and send ``lock_lost`` (once), without a log line.
+
+    For a loss its owner learns itself (at a release, a nested acquire), and
+    is told by the exception it gets.
+    """
+    get_watchdog().unwatch(item)
+    announce_lost(item, reason, log=False)
+
+
+def announce_lost(item: Renewable, reason: str, *, log: bool = True) -> bool:
     """Mark ``item`` lost, log it and send ``lock_lost`` (once); return True the first time.
 
     Receivers' errors are logged, never raised: a lane renews everything on
@@ -193,7 +203,10 @@ def announce_lost(item: Renewable, reason: str) -> bool:
     if not item.mark_lost(reason):
         return False
     held = time.monotonic() - item.acquired_at
-    logger.error("%s was lost after %.3fs: %s.", item.describe(), held, reason)
+    if log:
+        logger.error("%s was lost after %.3fs: %s.", item.describe(), held, reason)
+    if not signals.lock_lost.receivers:
+        return True
     for receiver, error in signals.lock_lost.send_robust(
         sender=item.alias, **item.lost_signal(held)
     ):

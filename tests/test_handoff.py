@@ -88,7 +88,7 @@ def test_a_wake_up_lost_with_its_client_costs_the_waiter_one_check_in(raw: redis
 
     # The release script hands the lock over but cannot wake the waiter; the
     # client dies before the WAKE that would.
-    steps = holder._release_steps(hold)
+    steps = holder._where.release_steps(hold)
     release = next(steps)
     assert release.script is scripts.RELEASE
     answer = _do(release)
@@ -110,7 +110,7 @@ def test_a_lapsed_hand_over_is_not_taken_for_a_new_one(raw: redis.Redis) -> None
     waiter = Mutex("lapsed", timeout=10, ttl=0.5, watchdog=False)
     attempt = waiter._start(True, 10)
     token = attempt.token
-    steps = waiter._acquire_steps(attempt)
+    steps = waiter._where.acquire_steps(attempt)
     pop = drive_until(steps, Pop)  # queued behind the holder, about to block
     check_in = steps.send(None)  # the wait ran out with nothing popped: a check-in is next
     assert isinstance(pop, Pop) and check_in.script is scripts.ACQUIRE
@@ -130,5 +130,5 @@ def test_a_lapsed_hand_over_is_not_taken_for_a_new_one(raw: redis.Redis) -> None
     # ...and what it pops then must not be the lapsed hand-over.
     assert _do(pop._replace(wait=0.2)) is None
     steps.close()
-    run_steps(waiter._abandon_steps(token))
+    run_steps(waiter._where.abandon_steps(token))
     other.release()

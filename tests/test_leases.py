@@ -24,8 +24,8 @@ from hypothesis import strategies as st
 
 from django_redis_mutex import LockBackendUnavailable, LockLost, Mutex, mutex, signals
 from django_redis_mutex.client import get_client
-from django_redis_mutex.lock import _EXPIRY_MARGIN, _wait_slice
 from django_redis_mutex.testing import RedisServer
+from django_redis_mutex.topology import _EXPIRY_MARGIN, wait_slice
 
 from .helpers import cache_options, wait_until
 from .topologies import extra_caches, master_entries, redis_servers
@@ -49,7 +49,7 @@ def test_a_wait_never_outlasts_the_holders_lease(
     # checks in again by the time it expires, never a whole interval later.
     now = 1000.0
     deadline = None if deadline_in is None else now + deadline_in
-    wait, _local = _wait_slice(deadline, pttl, now, longest)
+    wait, _local = wait_slice(deadline, pttl, now, longest)
     slack = 1e-9  # float rounding of the deadline
     assert wait <= max(pttl / 1000 + _EXPIRY_MARGIN, 0.001) + slack
     assert wait <= max(longest, 0.001) + slack

@@ -61,12 +61,12 @@ class PausedBeforeSending(Mutex):
         self.arrived = {thread: threading.Event() for thread in paused}
         self.go = {thread: threading.Event() for thread in paused}
 
-    def _acquire_steps(self, *args: Any, **kwargs: Any) -> Any:
+    def _acquisition_steps(self, *args: Any, **kwargs: Any) -> Any:
         thread = threading.current_thread().name
         if thread in self.go:
             self.arrived[thread].set()
             assert self.go[thread].wait(10), f"{thread} was never let go"
-        return (yield from super()._acquire_steps(*args, **kwargs))
+        return (yield from super()._acquisition_steps(*args, **kwargs))
 
 
 def held_by() -> str | None:

@@ -440,7 +440,7 @@ def test_async_sentinel_lock_without_replicas_is_given_back(sentinel_lock: Senti
 def test_off_by_default_sends_the_plain_script() -> None:
     lock = Mutex("report")
     assert lock.settings.wait_replicas == 0
-    steps = lock._acquire_steps(lock._start(False, None))
+    steps = lock._where.acquire_steps(lock._start(False, None))
     try:
         first = next(steps)
     finally:
