@@ -39,12 +39,22 @@ from .keys import LockKeys
 from .lock import Grant, Mutex
 from .owners import Owner, mark_transaction, parse_owner
 
-__all__ = ["QuorumMutex"]
+__all__ = ["QuorumMutex", "quorum_of"]
 
 # Redlock's allowance for clock drift between masters: 1% of the lease + 2 ms.
 CLOCK_DRIFT_FACTOR = 0.01
 # Bounds of the random delay between attempts of a blocked quorum waiter.
 RETRY_DELAY = (0.005, 0.05)
+
+
+def quorum_of(masters: int, limit: int = 1) -> int:
+    """Return how many of ``masters`` must hold a hold of which ``limit`` may exist at once.
+
+    A majority for one holder. For a semaphore's limit, more than
+    ``masters * limit / (limit + 1)``: then ``limit + 1`` holders would need
+    more grants than the masters admit together, ``limit`` each.
+    """
+    return masters * limit // (limit + 1) + 1
 
 
 def _quorum_aliases(using: str | Sequence[str]) -> tuple[str, ...]:
@@ -99,7 +109,7 @@ class QuorumMutex(Mutex):
         only alone: so an exclusive hold excludes every other hold, shared or
         not, while shared holds may overlap.
         """
-        return members // 2 + 1
+        return quorum_of(members)
 
     def _targets(self) -> tuple[tuple[str, str], ...]:
         return tuple((alias, self.member_keys[alias].lock) for alias in self.aliases)
