@@ -10,12 +10,15 @@ hash on each master directly.
 from __future__ import annotations
 
 import contextlib
+import json
 import threading
 from collections.abc import Iterator
 from typing import Any
 
 import pytest
 import redis
+from django.contrib.admin.models import LogEntry
+from django.test import Client
 
 from django_redis_mutex import (
     LockBackendUnavailable,
@@ -195,6 +198,9 @@ def test_two_masters_down_neither_lists_nor_claims_a_reset(
     with pytest.raises(LockBackendUnavailable, match="semaphore may still be held") as failure:
         reset_semaphore("ledger", using=QUORUM)
     assert failure.value.name == "ledger"
+    message, out = locks_error("--using", QUORUM, "--reset-semaphore", "ledger")
+    assert "2 of 3 Redis masters could not be reached" in message, message
+    assert "Reset" not in out
 
 
 def test_member_alias_is_refused_a_semaphore_reset(
@@ -206,5 +212,73 @@ def test_member_alias_is_refused_a_semaphore_reset(
 
     with pytest.raises(ValueError, match=refusal):
         reset_semaphore("inventory", using="m1")
+    message, _out = locks_error("--using", "m1", "--reset-semaphore", "inventory")
+    assert message.startswith(refusal), message
 
     assert permits_on_masters(quorum, "inventory") == [{permit.token}] * 3
+
+
+# -- manage.py locks ----------------------------------------------------------------------------
+
+
+def test_command_lists_and_resets_quorum_semaphores(
+    quorum: list[RedisServer],  # noqa: F811
+    permits: list[Semaphore],
+) -> None:
+    permit = take(permits, "exports", 2, label="nightly export")
+
+    lines = locks("--using", QUORUM).splitlines()
+    assert lines[-3:-1] == ["Semaphores in cache 'q':", "  exports  1/2 permits held"]
+    assert lines[-1].startswith("    nightly export ")
+    [entry] = json.loads(locks("--using", QUORUM, "--json"))
+    assert (entry["kind"], entry["name"], entry["limit"]) == ("semaphore", "exports", 2)
+    assert [holder["token"] for holder in entry["holders"]] == [permit.token]
+
+    out = locks("--using", QUORUM, "--reset-semaphore", "exports")
+
+    assert out.splitlines() == ["Reset semaphore 'exports': freed 1 permit."]
+    assert permits_on_masters(quorum, "exports") == [set()] * 3
+
+
+# -- the admin ----------------------------------------------------------------------------------
+
+
+@pytest.mark.django_db
+def test_admin_lists_and_resets_a_quorum_semaphore_on_every_master(
+    quorum: list[RedisServer],  # noqa: F811
+    permits: list[Semaphore],
+    superuser: Client,  # noqa: F811
+) -> None:
+    take(permits, "exports", 2, label="nightly export")
+
+    page = superuser.get(LIST_URL, {"using": QUORUM})
+    [row] = page.context["semaphores"]
+    assert (row["name"], row["limit"], row["held"]) == ("exports", 2, 1)
+    assert [holder["label"] for holder in row["holders"]] == ["nightly export"]
+    confirm = superuser.get(row["reset_url"])
+    assert [r["name"] for r in confirm.context["semaphores"]] == ["exports"]
+
+    response = superuser.post(
+        RESET_SEMAPHORE_URL, {"using": QUORUM, "name": "exports"}, follow=True
+    )
+
+    assert _messages(response) == ["Reset semaphore “exports”: freed 1 permit."]
+    assert response.context["semaphores"] == []
+    assert permits_on_masters(quorum, "exports") == [set()] * 3
+    assert LogEntry.objects.count() == 1
+
+
+@pytest.mark.django_db
+def test_admin_refuses_to_reset_a_semaphore_through_a_member_alias(
+    quorum: list[RedisServer],  # noqa: F811
+    permits: list[Semaphore],
+    superuser: Client,  # noqa: F811
+) -> None:
+    permit = take(permits, "exports", 1)
+    for send in (superuser.get, superuser.post):
+        response = send(RESET_SEMAPHORE_URL, {"using": "m2", "name": "exports"}, follow=True)
+        [message] = _messages(response)
+        assert message.startswith("Cache alias 'm2' is a member of quorum 'q'"), message
+        assert "reset the semaphore through 'q'" in message
+    assert permits_on_masters(quorum, "exports") == [{permit.token}] * 3
+    assert not LogEntry.objects.exists()
