@@ -404,15 +404,13 @@ def parse_shared(name: str, record: dict[str, str], waiters: int, now_ms: int) -
             fence=shared.fence,
         )
         holders.append((field_name[2:], holder))
-    return _held_shared(name, holders, waiters)
+    return _held_shared(name, holders, waiters) if holders else None
 
 
 def _held_shared(
     name: str, holders: list[tuple[str, SharedHolder]], waiters: int, masters: int = 1
-) -> ListedLock | None:
-    """Return the lock ``holders`` (token, holder) hold shared, or None if there are none."""
-    if not holders:
-        return None
+) -> ListedLock:
+    """Return the lock ``holders`` (token, holder; one at least) hold shared."""
     holders.sort(key=lambda pair: (pair[1].acquired_at, pair[1].fence))
     first = holders[0][1]
     held = HeldLock(
@@ -508,13 +506,11 @@ def _merge(copies: list[ListedLock], quorum: int) -> list[ListedLock]:
         for token, same in shared.items()
         if len(same) >= quorum
     ]
-    tokens = {token for token, _ in agreed}
-    holding = [copy.held for copy in copies if tokens.intersection(copy.token.split())]
-    if holding:
+    if agreed:
+        tokens = {token for token, _ in agreed}
+        holding = [copy.held for copy in copies if tokens.intersection(copy.token.split())]
         waiters = max(copy.waiters for copy in holding)
-        merged = _held_shared(holding[0].name, agreed, waiters, masters=len(holding))
-        if merged is not None:
-            found.append(merged)
+        found.append(_held_shared(holding[0].name, agreed, waiters, masters=len(holding)))
     return found
 
 
