@@ -14,17 +14,18 @@ from .exceptions import (
     LockUpgradeRefused,
     StaleFence,
 )
-from .introspection import HeldLock, held_locks, reset, reset_all
+from .introspection import (
+    HeldLock,
+    HeldSemaphore,
+    held_locks,
+    held_semaphores,
+    reset,
+    reset_all,
+    reset_semaphore,
+)
 from .lock import DEFAULT, Mutex, QuorumMutex
 from .owners import Owner
-from .semaphore import (
-    HeldSemaphore,
-    Semaphore,
-    SemaphoreContext,
-    held_semaphores,
-    reset_semaphore,
-    semaphore,
-)
+from .semaphore import Semaphore, SemaphoreContext, semaphore
 from .transactions import LockAfterReadWarning
 
 __version__ = "0.1.0"

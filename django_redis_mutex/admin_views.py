@@ -16,12 +16,14 @@ release frees every holder, or under a filter only the holders the filter
 selects (:meth:`~django_redis_mutex.filters.LockFilter.select`).
 
 The same page lists the counting semaphores with a permit held (read with
-:func:`~django_redis_mutex.semaphore.held_semaphores`), one row per permit, and
+:func:`~django_redis_mutex.introspection.held_semaphores`), one row per permit, and
 :func:`reset_semaphores` frees every permit of the chosen ones with
-:func:`~django_redis_mutex.semaphore.reset_semaphore`, through the
+:func:`~django_redis_mutex.introspection.reset_semaphore`, through the
 confirm-then-POST flow of a lock release but behind a permission of its own
 (``reset_semaphore``, of :class:`~django_redis_mutex.models.Semaphore`), and
-recorded in the admin history as a semaphore, not a lock.
+recorded in the admin history as a semaphore, not a lock. On a quorum alias
+both are listed and reset as the introspection functions do, on every master,
+and a member alias of a quorum is refused for either reset.
 """
 
 from __future__ import annotations
@@ -50,18 +52,19 @@ from .exceptions import LockBackendUnavailable
 from .filters import FILTER_FIELDS, FilterError, LockFilter
 from .introspection import (
     HeldLock,
+    HeldSemaphore,
     ListedLock,
     ensure_resettable,
     eviction_policies,
+    held_semaphores,
     listed_locks,
-    quorum_members,
     reset,
     reset_listed,
+    reset_semaphore,
 )
 from .keys import validate_name
 from .models import Lock, Semaphore
 from .owners import Owner
-from .semaphore import HeldSemaphore, held_semaphores, reset_semaphore
 
 
 class LockAdmin(Protocol):
@@ -317,7 +320,7 @@ def lock_list(
                 # would invite releasing the wrong ones: list nothing.
                 raise _BadFilter(filters.error_text())
             found = listed_locks(using)
-            found_semaphores = _semaphores_of(using)
+            found_semaphores = held_semaphores(using)
             evictions = [text for p in eviction_policies(using) if (text := _evictions(p))]
         except _BadFilter as exc:
             # Reloading would only repeat the error while the operator fixes it.
@@ -667,18 +670,6 @@ def _reset_semaphore_url(model_admin: LockAdmin) -> str:
     )
 
 
-def _semaphores_of(using: str) -> list[HeldSemaphore]:
-    """Return the semaphores with a permit held in ``using``; none for a quorum alias.
-
-    A semaphore lives on one Redis, never on a quorum of masters: its permits
-    are listed (and reset) through the member alias of that Redis, as in
-    ``manage.py locks``.
-    """
-    if quorum_members(using):
-        return []
-    return held_semaphores(using)
-
-
 def _semaphore_row(held: HeldSemaphore, reset_url: str, using: str) -> dict[str, Any]:
     """Return what the templates show of one semaphore: its limit and one entry per permit."""
     return {
@@ -740,8 +731,12 @@ def reset_semaphores(request: HttpRequest, model_admin: LockAdmin) -> HttpRespon
     if not names:
         messages.warning(request, _("Select the semaphores to reset first."))
         return HttpResponseRedirect(back)
-    if quorum_members(using):
-        messages.error(request, _quorum_has_no_semaphores(using))
+    try:
+        # As for a lock: a member of a quorum would free a quorum permit on one
+        # master only, while its holder keeps renewing it on the others.
+        ensure_resettable(using, "semaphore")
+    except (ValueError, ImproperlyConfigured) as exc:
+        messages.error(request, str(exc))
         return HttpResponseRedirect(back)
     try:
         held = {item.name: item for item in held_semaphores(using) if item.name in names}
@@ -774,13 +769,6 @@ def reset_semaphores(request: HttpRequest, model_admin: LockAdmin) -> HttpRespon
     )
     request.current_app = model_admin.admin_site.name
     return TemplateResponse(request, "django_redis_mutex/admin/semaphore_reset.html", context)
-
-
-def _quorum_has_no_semaphores(using: str) -> str:
-    return _(
-        "Cache “%(alias)s” is a quorum: a semaphore lives on one Redis, so reset it "
-        "through the alias of that Redis."
-    ) % {"alias": using}
 
 
 def _perform_semaphore_reset(

@@ -1,8 +1,11 @@
-"""Look at and force-release the locks held in one cache alias, or in a quorum of them.
+"""Look at and force-release the locks and semaphores held in one cache alias, or in a quorum.
 
 Shared by the ``locks`` management command and the admin inspector. Keys are
 walked with SCAN on an escaped pattern within this app's namespace, in batches,
-never with KEYS, and only this app's lock keys are ever deleted.
+never with KEYS, and only this app's lock and semaphore keys are ever deleted.
+A semaphore is the lock engine's shared kind under a limit, with its keys in a
+space of their own (see :mod:`django_redis_mutex.keys`): it is read, merged
+across a quorum and reset by the same functions as a lock, given its keys.
 
 ``using`` is a cache alias, as for :class:`~django_redis_mutex.Mutex`, or a
 quorum: an alias whose ``MUTEX`` block names a ``QUORUM``, or a list of
@@ -11,42 +14,51 @@ namespace, and its holder's watchdog keeps renewing it as long as a majority
 still has its token, so a quorum lock is only ever reset on all of its masters
 at once: clearing one of them would report "released" while the lock stays
 held. For the same reason a plain alias that is a member of a configured
-``QUORUM`` is refused for resets (see :func:`ensure_resettable`).
+``QUORUM`` is refused for resets (see :func:`ensure_resettable`). A semaphore's
+permits follow the same rules, except that a permit counts as held on as many
+masters as a quorum :class:`~django_redis_mutex.Semaphore` needs.
 """
 
 from __future__ import annotations
 
 import time
 import warnings
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import asdict, dataclass, field
 from datetime import datetime, timezone
-from typing import Any
+from typing import Any, NamedTuple
 
 from redis.exceptions import ResponseError
 
 from .client import UNAVAILABLE, backend_errors, get_client, namespace, probe_client, server_ms
 from .conf import get_settings, validate_aliases
+from .display import duration
 from .driver import run_steps
 from .eviction import EvictionPolicy, read_policy
 from .exceptions import LockBackendUnavailable
 from .handoff import release_steps, reset_steps
 from .holds import decode
-from .keys import LockKeys, SharedRecord, lock_pattern, unescape_name, validate_name
+from .keys import LockKeys, SharedRecord, lock_pattern, semaphore_pattern, validate_name
 from .owners import Owner, parse_owner
+from .quorum import quorum_of
 
 __all__ = [
     "HeldLock",
+    "HeldSemaphore",
     "ListedLock",
+    "SemaphoreHolder",
     "SharedHolder",
     "ensure_resettable",
     "eviction_policies",
     "held_locks",
+    "held_semaphores",
     "listed_locks",
     "quorum_members",
     "reset",
     "reset_all",
     "reset_listed",
+    "reset_semaphore",
+    "semaphore_lines",
 ]
 
 SCAN_BATCH = 500
@@ -140,6 +152,62 @@ class ListedLock:
     token: str = field(repr=False)
 
 
+@dataclass(frozen=True)
+class SemaphoreHolder:
+    """One permit of a semaphore, as read from Redis."""
+
+    token: str
+    owner: Owner
+    time_left: float
+    fence: int = 0
+
+
+@dataclass(frozen=True)
+class HeldSemaphore:
+    """One semaphore with at least one permit held, as read from Redis.
+
+    On a quorum, ``holders`` are the permits held on as many masters as their
+    a quorum :class:`~django_redis_mutex.Semaphore` needs, and
+    ``limit`` the smallest limit those masters keep.
+    """
+
+    name: str
+    limit: int | None
+    holders: list[SemaphoreHolder] = field(default_factory=list)
+    waiters: int = 0
+    read_at: datetime = field(default_factory=lambda: datetime.now(tz=timezone.utc))
+
+    def as_dict(self) -> dict[str, Any]:
+        """Return the semaphore as plain data (for JSON output)."""
+        return {
+            "name": self.name,
+            "limit": self.limit,
+            "waiters": self.waiters,
+            "holders": [
+                {
+                    "token": h.token,
+                    "owner": h.owner.as_dict(),
+                    "time_left": h.time_left,
+                    "fence": h.fence,
+                }
+                for h in self.holders
+            ],
+        }
+
+
+@dataclass(frozen=True)
+class _Kind:
+    """Where the keys of one kind live in a namespace: a lock's, or a semaphore's."""
+
+    noun: str
+    pattern: Callable[[str], str]  # namespace -> SCAN pattern of every main key of the kind
+    keys: Callable[[str, str], LockKeys]  # (namespace, name) -> the keys of one
+
+
+_LOCKS = _Kind("lock", lock_pattern, LockKeys.for_name)
+_SEMAPHORES = _Kind("semaphore", semaphore_pattern, LockKeys.for_semaphore)
+
+
 # -- which Redis a ``using`` means ------------------------------------------------
 
 
@@ -202,7 +270,7 @@ def _quorums_with_member(alias: str) -> dict[str, list[str]]:
     return found
 
 
-def ensure_resettable(using: str | Sequence[str]) -> None:
+def ensure_resettable(using: str | Sequence[str], noun: str = "lock") -> None:
     """Raise ValueError when a reset through ``using`` could release a quorum lock on one master.
 
     The rule: a plain alias (one without a QUORUM of its own) that is listed in
@@ -212,7 +280,9 @@ def ensure_resettable(using: str | Sequence[str]) -> None:
     of every master) instead runs the reset on every master, in each master's
     own namespace, so it also clears a plain lock of that name on the member.
     Quorums built only in code (``using=[...]`` lists) are not in settings and
-    cannot be detected: reset those with the same list.
+    cannot be detected: reset those with the same list. The rule holds for a
+    semaphore's permits too; ``noun`` ("lock", "semaphore") names what the
+    refusal is about.
     """
     alias, members = _resolve(using)
     if members is not None:
@@ -223,7 +293,7 @@ def ensure_resettable(using: str | Sequence[str]) -> None:
     names = ", ".join(map(repr, quorums))
     first, listed = next(iter(quorums.items()))
     raise ValueError(
-        f"Cache alias {alias!r} is a member of quorum {names}; reset the lock through "
+        f"Cache alias {alias!r} is a member of quorum {names}; reset the {noun} through "
         f"{first!r} (or pass using={listed!r}) so it is released on every master, "
         "not on this one only."
     )
@@ -246,15 +316,16 @@ def _unreachable(
     )
 
 
-# Why a reset that missed a majority is an error, not a success.
-_MAY_STILL_HOLD = (
-    "together they are a majority, so the lock may still be held there. "
-    "Nothing was reported as released; reset again once they are back."
-)
+def _may_still_hold(noun: str) -> str:
+    """Say why a reset that missed a majority is an error, not a success."""
+    return (
+        f"together they are a majority, so the {noun} may still be held there. "
+        "Nothing was reported as released; reset again once they are back."
+    )
 
 
 def _quorum(members: tuple[str, ...]) -> int:
-    return len(members) // 2 + 1
+    return quorum_of(len(members))
 
 
 # -- reading ---------------------------------------------------------------------
@@ -282,9 +353,9 @@ def scanned_keys(client: Any, pattern: str) -> Iterator[list[str]]:
         yield batch
 
 
-def _lock_keys(client: Any, alias: str) -> Iterator[list[str]]:
-    """Yield batches of lock keys of ``alias``'s namespace, each key once."""
-    return scanned_keys(client, lock_pattern(namespace(alias)))
+def _keys_of_kind(client: Any, alias: str, kind: _Kind) -> Iterator[list[str]]:
+    """Yield batches of the main keys of ``kind`` in ``alias``'s namespace, each key once."""
+    return scanned_keys(client, kind.pattern(namespace(alias)))
 
 
 def _at(ms: int) -> datetime:
@@ -292,10 +363,9 @@ def _at(ms: int) -> datetime:
 
 
 def _parse(
-    name: str, fields: dict[Any, Any], pttl: int, waiters: int, now_ms: int
-) -> tuple[str, HeldLock] | None:
-    """Return (token, lock) read from one lock hash, or None if nobody holds it now."""
-    record = {decode(key): decode(value) for key, value in fields.items()}
+    name: str, record: dict[str, str], pttl: int, waiters: int, now_ms: int
+) -> ListedLock | None:
+    """Return the lock read from one lock hash with its token, or None if nobody holds it now."""
     if pttl == -2:
         return None  # released between SCAN and read
     token = record.get("token", "")
@@ -307,7 +377,7 @@ def _parse(
     # counter ran ahead of the clock: then ACQUIRE stored the time itself.
     clock = int(fence) // 1000 if fence.isdigit() else 0
     ms = int(acquired) if acquired.isdigit() else clock
-    return token, HeldLock(
+    held = HeldLock(
         name=name,
         owner=parse_owner(record.get("owner")) or Owner(),
         acquired_at=_at(ms),
@@ -315,12 +385,11 @@ def _parse(
         fence=int(fence) if fence.isdigit() else 0,
         waiters=waiters,
     )
+    return ListedLock(held, token)
 
 
-def parse_shared(
-    name: str, record: dict[str, str], waiters: int, now_ms: int
-) -> tuple[str, HeldLock] | None:
-    """Return (tokens, lock) for a lock held shared: one ``r:<token>`` record per holder."""
+def parse_shared(name: str, record: dict[str, str], waiters: int, now_ms: int) -> ListedLock | None:
+    """Return a lock held shared with its holders' tokens: one ``r:<token>`` record per holder."""
     holders: list[tuple[str, SharedHolder]] = []
     for field_name, value in record.items():
         if not field_name.startswith("r:"):
@@ -335,92 +404,161 @@ def parse_shared(
             fence=shared.fence,
         )
         holders.append((field_name[2:], holder))
-    if not holders:
-        return None
+    return _held_shared(name, holders, waiters) if holders else None
+
+
+def _held_shared(
+    name: str, holders: list[tuple[str, SharedHolder]], waiters: int, masters: int = 1
+) -> ListedLock:
+    """Return the lock ``holders`` (token, holder; one at least) hold shared."""
     holders.sort(key=lambda pair: (pair[1].acquired_at, pair[1].fence))
     first = holders[0][1]
-    return " ".join(token for token, _ in holders), HeldLock(
+    held = HeldLock(
         name=name,
         owner=first.owner,
         acquired_at=first.acquired_at,
         time_left=max(holder.time_left for _, holder in holders),
         fence=first.fence,
         waiters=waiters,
+        masters=masters,
         shared=True,
         holders=tuple(holder for _, holder in holders),
     )
+    return ListedLock(held, " ".join(token for token, _ in holders))
 
 
-def _read(client: Any, alias: str) -> Iterator[tuple[str, str, HeldLock]]:
-    """Yield (hash tag, token, lock) for every lock held in ``alias``'s namespace.
+class _Found(NamedTuple):
+    """One held lock or semaphore, as one Redis (or a quorum of them) holds it."""
 
-    The hash tag (``{<escaped name>}``, the key without the namespace) names
-    the lock the same way on every master, whatever each master's namespace.
-    """
-    skip = len(namespace(alias)) + 1
-    for batch in _lock_keys(client, alias):
+    tag: str  # the key without its namespace: the same on every master
+    listed: ListedLock
+    limit: int | None  # a semaphore's, as its hash keeps it
+
+
+def _read(client: Any, alias: str, kind: _Kind) -> Iterator[_Found]:
+    """Yield every lock (or semaphore) of ``kind`` held in ``alias``'s namespace."""
+    space = namespace(alias)
+    for batch in _keys_of_kind(client, alias, kind):
         pipe = client.pipeline(transaction=False)
         for key in batch:
-            keys = LockKeys.for_lock_key(key)
             pipe.hgetall(key)
             pipe.pttl(key)
-            pipe.zcard(keys.queue)
+            pipe.zcard(LockKeys.for_lock_key(key).queue)
         replies = pipe.execute()
         # Shared leases are kept as server times: read the server's clock after them.
         now_ms = server_ms(client.time())
         for index, key in enumerate(batch):
             i = 3 * index
-            name = unescape_name(key[skip + 1 : -1])  # the hash tag is the escaped name
-            parsed = _parse(name, replies[i], replies[i + 1], replies[i + 2], now_ms)
-            if parsed is not None:
-                yield key[skip:], parsed[0], parsed[1]
+            record = {decode(name): decode(value) for name, value in replies[i].items()}
+            name = LockKeys.for_lock_key(key).name_of(space)
+            listed = _parse(name, record, replies[i + 1], replies[i + 2], now_ms)
+            if listed is not None:
+                limit = record.get("limit", "")
+                tag = key[len(space) + 1 :]
+                yield _Found(tag, listed, int(limit) if limit.isdigit() else None)
 
 
-def _merge(copies: list[HeldLock], quorum: int) -> HeldLock:
-    """Return one quorum lock from its copies on the masters holding the majority token."""
+def _on_quorum(copies: Sequence[HeldLock | SharedHolder], quorum: int) -> dict[str, Any]:
+    """Return the holder's fields of one hold from its copies on ``quorum`` masters or more.
+
+    ``fence`` is the largest among them (the fence the holder got),
+    ``time_left`` the time until fewer than ``quorum`` still hold the lease.
+    """
     left = sorted((copy.time_left for copy in copies), reverse=True)
-    return HeldLock(
-        name=copies[0].name,
-        owner=copies[0].owner,
-        acquired_at=min(copy.acquired_at for copy in copies),
-        time_left=left[quorum - 1],
-        fence=max(copy.fence for copy in copies),
-        waiters=max(copy.waiters for copy in copies),
-        masters=len(copies),
-    )
+    return {
+        "owner": copies[0].owner,
+        "acquired_at": min(copy.acquired_at for copy in copies),
+        "time_left": left[quorum - 1],
+        "fence": max(copy.fence for copy in copies),
+    }
 
 
-def _listed_on_quorum(label: str, members: tuple[str, ...]) -> list[ListedLock]:
-    quorum = _quorum(members)
+def _merge(copies: list[ListedLock], quorum: int) -> list[ListedLock]:
+    """Return what ``quorum`` masters hold of one key, from its copies on each master.
+
+    An exclusive hold counts when its token is on ``quorum`` masters; a lock
+    held shared (a semaphore's permits) lists the holders whose own token is,
+    each counted alone: the masters need not hold the same set of holders.
+    """
+    exclusive: dict[str, list[HeldLock]] = {}
+    shared: dict[str, list[SharedHolder]] = {}
+    for copy in copies:
+        if not copy.held.shared:
+            exclusive.setdefault(copy.token, []).append(copy.held)
+            continue
+        for token, holder in zip(copy.token.split(), copy.held.holders, strict=True):
+            shared.setdefault(token, []).append(holder)
+    found = [
+        ListedLock(
+            HeldLock(
+                name=held[0].name,
+                waiters=max(copy.waiters for copy in held),
+                masters=len(held),
+                **_on_quorum(held, quorum),
+            ),
+            token,
+        )
+        for token, held in exclusive.items()
+        if len(held) >= quorum
+    ]
+    agreed = [
+        (token, SharedHolder(**_on_quorum(same, quorum)))
+        for token, same in shared.items()
+        if len(same) >= quorum
+    ]
+    if agreed:
+        tokens = {token for token, _ in agreed}
+        holding = [copy.held for copy in copies if tokens.intersection(copy.token.split())]
+        waiters = max(copy.waiters for copy in holding)
+        found.append(_held_shared(holding[0].name, agreed, waiters, masters=len(holding)))
+    return found
+
+
+def _found_on_quorum(label: str, members: tuple[str, ...], kind: _Kind) -> list[_Found]:
     clients = {alias: get_client(alias) for alias in members}
     for alias in members:
         namespace(alias)  # a misconfigured member fails before any read
-    by_tag: dict[str, dict[str, list[HeldLock]]] = {}
+    by_tag: dict[str, list[_Found]] = {}
     errors: dict[str, BaseException] = {}
     for alias in members:
         try:
-            rows = list(_read(clients[alias], alias))
+            rows = list(_read(clients[alias], alias, kind))
         except _MEMBER_FAILURES as exc:
             errors[alias] = exc
             continue
-        for tag, token, held in rows:
-            by_tag.setdefault(tag, {}).setdefault(token, []).append(held)
-    if len(members) - len(errors) < quorum:
-        # Too few masters answered for any lock to show a majority.
+        for row in rows:
+            by_tag.setdefault(row.tag, []).append(row)
+    if len(members) - len(errors) < _quorum(members):
+        # Too few masters answered for anything to show a majority.
         raise _unreachable(
-            "list the locks",
+            f"list the {kind.noun}s",
             label,
             members,
             errors,
-            "too few answered to tell which locks a majority holds.",
+            f"too few answered to tell which {kind.noun}s a majority holds.",
         )
-    found = [
-        ListedLock(_merge(copies, quorum), token)
-        for tokens in by_tag.values()
-        for token, copies in tokens.items()
-        if len(copies) >= quorum
-    ]
-    found.sort(key=lambda listed: listed.held.name)
+    found: list[_Found] = []
+    for tag, copies in by_tag.items():
+        # A permit counts on as many masters as a quorum semaphore needs; the
+        # smallest limit kept asks the fewest, so no granted permit goes unlisted.
+        limits = [copy.limit for copy in copies if copy.limit is not None]
+        limit = min(limits) if limits else None
+        quorum = quorum_of(len(members), limit or 1)
+        merged = _merge([copy.listed for copy in copies], quorum)
+        found.extend(_Found(tag, listed, limit) for listed in merged)
+    return found
+
+
+def _found(using: str | Sequence[str], kind: _Kind) -> list[_Found]:
+    """Return the locks (or semaphores) of ``kind`` held in ``using`` now, sorted by name."""
+    alias, members = _resolve(using)
+    if members is not None:
+        found = _found_on_quorum(alias, members, kind)
+    else:
+        client = get_client(alias)
+        with backend_errors(None, alias):
+            found = list(_read(client, alias, kind))
+    found.sort(key=lambda item: item.listed.held.name)
     return found
 
 
@@ -430,7 +568,8 @@ def held_locks(using: str | Sequence[str] = "default") -> list[HeldLock]:
     For a quorum, a lock is listed once when one token is held on a majority
     of the masters (a lock whose majority includes an unreachable master is
     not listed); with too few masters reachable to see a majority, raise
-    LockBackendUnavailable naming them.
+    LockBackendUnavailable naming them. A lock held shared lists the holders
+    each held on a majority.
     """
     return [listed.held for listed in listed_locks(using)]
 
@@ -444,14 +583,53 @@ def listed_locks(using: str | Sequence[str] = "default") -> list[ListedLock]:
 
     .. versionadded:: 0.1
     """
-    alias, members = _resolve(using)
-    if members is not None:
-        return _listed_on_quorum(alias, members)
-    client = get_client(alias)
-    with backend_errors(None, alias):
-        found = [ListedLock(held, token) for _tag, token, held in _read(client, alias)]
-    found.sort(key=lambda listed: listed.held.name)
+    return [found.listed for found in _found(using, _LOCKS)]
+
+
+def held_semaphores(using: str | Sequence[str] = "default") -> list[HeldSemaphore]:
+    """Return the semaphores of ``using`` with permits held now, each with its holders.
+
+    For a quorum, as :func:`~django_redis_mutex.held_locks` does for locks: a
+    permit is listed when it is held on as many masters as its
+    a quorum :class:`~django_redis_mutex.Semaphore` needs (for the
+    limit the semaphore's hash keeps; a majority if none is kept), and too
+    few masters reachable raise LockBackendUnavailable naming them.
+
+    .. versionchanged:: 0.3.0
+       ``using`` may be a quorum.
+    """
+    found = []
+    for item in _found(using, _SEMAPHORES):
+        held = item.listed.held
+        tokens = item.listed.token.split()
+        holders = [
+            SemaphoreHolder(token, holder.owner, holder.time_left, holder.fence)
+            for token, holder in zip(tokens, held.holders, strict=True)
+        ]
+        found.append(HeldSemaphore(held.name, item.limit, holders, held.waiters))
     return found
+
+
+def semaphore_lines(
+    using: str | Sequence[str] = "default", semaphores: list[HeldSemaphore] | None = None
+) -> list[str]:
+    """Return the held semaphores of ``using`` as text lines (none when nothing is held).
+
+    What ``manage.py locks`` prints below its table of locks: each semaphore,
+    then its permits, times left written as in that table ("25.8 s"). Pass
+    ``semaphores`` when they were just read, to print those.
+    """
+    if semaphores is None:
+        semaphores = held_semaphores(using)
+    if not semaphores:
+        return []
+    lines = [f"Semaphores in cache {using!r}:"]
+    for held in semaphores:
+        limit = "?" if held.limit is None else str(held.limit)
+        waiting = f", {held.waiters} waiting" if held.waiters else ""
+        lines.append(f"  {held.name}  {len(held.holders)}/{limit} permits held{waiting}")
+        lines.extend(f"    {h.owner}  {duration(h.time_left)} left" for h in held.holders)
+    return lines
 
 
 # -- resetting ---------------------------------------------------------------------
@@ -459,9 +637,9 @@ def listed_locks(using: str | Sequence[str] = "default") -> list[ListedLock]:
 
 def _reset_on_members(
     members: tuple[str, ...], keys_of: dict[str, LockKeys], errors: dict[str, BaseException]
-) -> bool:
-    """Run RESET on every member not failed yet; return True if any of them had the lock."""
-    held = False
+) -> int:
+    """Run RESET on every member not failed yet; return the most holders one of them had."""
+    held = 0
     for alias in members:
         if alias in errors:
             continue
@@ -470,7 +648,25 @@ def _reset_on_members(
         except _MEMBER_FAILURES as exc:
             errors[alias] = exc
             continue
-        held = bool(done) or held
+        held = max(held, done)
+    return held
+
+
+def _reset(name: str, using: str | Sequence[str], kind: _Kind) -> int:
+    """Force-release the lock (or semaphore) ``name`` of ``kind``; return how many held it."""
+    validate_name(name)
+    alias, members = _resolve(using)
+    if members is None:
+        ensure_resettable(alias, kind.noun)
+        keys = kind.keys(namespace(alias), name)
+        with backend_errors(name, alias):
+            return run_steps(reset_steps(alias, keys))
+    keys_of = {member: kind.keys(namespace(member), name) for member in members}
+    errors: dict[str, BaseException] = {}
+    held = _reset_on_members(members, keys_of, errors)
+    if len(errors) >= _quorum(members):
+        what = f"reset {kind.noun} {name!r}"
+        raise _unreachable(what, alias, members, errors, _may_still_hold(kind.noun), name)
     return held
 
 
@@ -492,19 +688,25 @@ def reset(name: str, using: str | Sequence[str] = "default") -> bool:
     instead of clearing one master only (see
     :func:`~django_redis_mutex.introspection.ensure_resettable`).
     """
-    validate_name(name)
-    alias, members = _resolve(using)
-    if members is None:
-        ensure_resettable(alias)
-        keys = LockKeys.for_name(namespace(alias), name)
-        with backend_errors(name, alias):
-            return run_steps(reset_steps(alias, keys)) > 0
-    keys_of = {member: LockKeys.for_name(namespace(member), name) for member in members}
-    errors: dict[str, BaseException] = {}
-    held = _reset_on_members(members, keys_of, errors)
-    if len(errors) >= _quorum(members):
-        raise _unreachable(f"reset lock {name!r}", alias, members, errors, _MAY_STILL_HOLD, name)
-    return held
+    return _reset(name, using, _LOCKS) > 0
+
+
+def reset_semaphore(name: str, using: str | Sequence[str] = "default") -> int:
+    """Free every permit of semaphore ``name``; return how many were held.
+
+    Waiters in line are handed the freed permits (up to the stored limit) and
+    woken; a holder whose permit was freed learns it when it leaves its block
+    (LockLost) or at its next renewal.
+
+    For a quorum the permits are freed on every master, with the rules of
+    :func:`~django_redis_mutex.reset` for masters that cannot be reached and
+    for a member alias of a configured quorum; the count is the most permits
+    one master held.
+
+    .. versionchanged:: 0.3.0
+       ``using`` may be a quorum.
+    """
+    return _reset(name, using, _SEMAPHORES)
 
 
 def _reset_all_on_quorum(label: str, members: tuple[str, ...]) -> int:
@@ -514,7 +716,7 @@ def _reset_all_on_quorum(label: str, members: tuple[str, ...]) -> int:
     for alias in members:
         skip = len(spaces[alias]) + 1
         try:
-            for batch in _lock_keys(get_client(alias), alias):
+            for batch in _keys_of_kind(get_client(alias), alias, _LOCKS):
                 tags.update(key[skip:] for key in batch)
         except _MEMBER_FAILURES as exc:
             errors[alias] = exc
@@ -522,9 +724,9 @@ def _reset_all_on_quorum(label: str, members: tuple[str, ...]) -> int:
     for tag in sorted(tags):
         # The same lock on every master: that master's namespace, the same tag.
         keys_of = {alias: LockKeys.for_lock_key(f"{spaces[alias]}:{tag}") for alias in members}
-        count += _reset_on_members(members, keys_of, errors)
+        count += _reset_on_members(members, keys_of, errors) > 0
     if len(errors) >= _quorum(members):
-        raise _unreachable("reset every lock", label, members, errors, _MAY_STILL_HOLD)
+        raise _unreachable("reset every lock", label, members, errors, _may_still_hold("lock"))
     return count
 
 
@@ -544,7 +746,7 @@ def reset_all(using: str | Sequence[str] = "default") -> int:
     client = get_client(alias)
     count = 0
     with backend_errors(None, alias):
-        for batch in _lock_keys(client, alias):
+        for batch in _keys_of_kind(client, alias, _LOCKS):
             for key in batch:
                 keys = LockKeys.for_lock_key(key)
                 count += run_steps(reset_steps(alias, keys)) > 0
@@ -597,5 +799,6 @@ def reset_listed(listed: ListedLock, using: str | Sequence[str] = "default") -> 
         except _MEMBER_FAILURES as exc:
             errors[member] = exc
     if len(errors) >= _quorum(members):
-        raise _unreachable(f"reset lock {name!r}", alias, members, errors, _MAY_STILL_HOLD, name)
+        why = _may_still_hold("lock")
+        raise _unreachable(f"reset lock {name!r}", alias, members, errors, why, name)
     return released

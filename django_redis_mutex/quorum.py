@@ -54,12 +54,22 @@ if TYPE_CHECKING:
     from .lock import Mutex
 from .owners import Owner, mark_transaction, parse_owner
 
-__all__ = ["Quorum", "quorum_members"]
+__all__ = ["Quorum", "quorum_members", "quorum_of"]
 
 # Redlock's allowance for clock drift between masters: 1% of the lease + 2 ms.
 CLOCK_DRIFT_FACTOR = 0.01
 # Bounds of the random delay between attempts of a blocked quorum waiter.
 RETRY_DELAY = (0.005, 0.05)
+
+
+def quorum_of(masters: int, limit: int = 1) -> int:
+    """Return how many of ``masters`` must hold a hold of which ``limit`` may exist at once.
+
+    A majority for one holder. For a semaphore's limit, more than
+    ``masters * limit / (limit + 1)``: then ``limit + 1`` holders would need
+    more grants than the masters admit together, ``limit`` each.
+    """
+    return masters * limit // (limit + 1) + 1
 
 
 def quorum_members(using: object) -> tuple[str, ...] | None:
@@ -97,10 +107,9 @@ class Quorum(OneRedis):
                     "not for a quorum of masters."
                 )
         self.aliases = aliases
-        limit = lock._limit_args[0] if lock._limit_args else 1
         # A majority for a lock (any two share a master, which admits a writer
         # only alone); for a semaphore, enough that no limit + 1 holders fit.
-        self.quorum = len(aliases) * limit // (limit + 1) + 1
+        self.quorum = quorum_of(len(aliases), lock._limit_args[0] if lock._limit_args else 1)
         self.drift = lock.lease * CLOCK_DRIFT_FACTOR + 0.002
         self.member_keys = {alias: lock._keys_on(alias) for alias in aliases}
         self.master_timeout = lock.settings.quorum_timeout

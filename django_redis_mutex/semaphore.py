@@ -19,20 +19,22 @@ Signals are the lock's, with ``kind="semaphore"`` among their arguments.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass, field
-from datetime import datetime, timezone
+from collections.abc import Callable, Sequence
 from typing import Any
 
-from .client import backend_errors, get_client, namespace, server_ms
+from .client import namespace
 from .decorators import MutexContext
-from .driver import run_steps
-from .handoff import reset_steps
-from .holds import decode
-from .introspection import parse_shared, scanned_keys
-from .keys import LockKeys, semaphore_pattern, validate_name
+
+# Listed and reset with the locks, by the same functions; importable from here too.
+from .introspection import (
+    HeldSemaphore,
+    SemaphoreHolder,
+    held_semaphores,
+    reset_semaphore,
+    semaphore_lines,
+)
+from .keys import LockKeys
 from .lock import DEFAULT, Mutex
-from .owners import Owner
 
 __all__ = [
     "HeldSemaphore",
@@ -174,110 +176,3 @@ def semaphore(
         label=label,
         release_at_block_end=release_at_block_end,
     )
-
-
-# -- introspection and reset ------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class SemaphoreHolder:
-    """One permit of a semaphore, as read from Redis."""
-
-    token: str
-    owner: Owner
-    time_left: float
-    fence: int = 0
-
-
-@dataclass(frozen=True)
-class HeldSemaphore:
-    """One semaphore with at least one permit held, as read from Redis."""
-
-    name: str
-    limit: int | None
-    holders: list[SemaphoreHolder] = field(default_factory=list)
-    waiters: int = 0
-    read_at: datetime = field(default_factory=lambda: datetime.now(tz=timezone.utc))
-
-    def as_dict(self) -> dict[str, Any]:
-        """Return the semaphore as plain data (for JSON output)."""
-        return {
-            "name": self.name,
-            "limit": self.limit,
-            "waiters": self.waiters,
-            "holders": [
-                {
-                    "token": h.token,
-                    "owner": h.owner.as_dict(),
-                    "time_left": h.time_left,
-                    "fence": h.fence,
-                }
-                for h in self.holders
-            ],
-        }
-
-
-def _read_semaphores(client: Any, ns: str) -> Iterator[HeldSemaphore]:
-    for batch in scanned_keys(client, semaphore_pattern(ns)):
-        pipe = client.pipeline(transaction=False)
-        for key in batch:
-            pipe.hgetall(key)
-            pipe.zcard(LockKeys.for_lock_key(key).queue)
-        replies = pipe.execute()
-        # Leases are kept as server times: read the server's clock after them.
-        now_ms = server_ms(client.time())
-        for index, key in enumerate(batch):
-            record = {decode(k): decode(v) for k, v in replies[2 * index].items()}
-            waiters = int(replies[2 * index + 1])
-            name = LockKeys.for_lock_key(key).name_of(ns)
-            parsed = parse_shared(name, record, waiters, now_ms)
-            if parsed is None:
-                continue
-            tokens, held = parsed
-            limit = record.get("limit", "")
-            yield HeldSemaphore(
-                name=name,
-                limit=int(limit) if limit.isdigit() else None,
-                holders=[
-                    SemaphoreHolder(token, holder.owner, holder.time_left, holder.fence)
-                    for token, holder in zip(tokens.split(), held.holders, strict=True)
-                ],
-                waiters=waiters,
-            )
-
-
-def held_semaphores(using: str = "default") -> list[HeldSemaphore]:
-    """Return the semaphores of ``using`` with permits held now, each with its holders."""
-    with backend_errors(None, using):
-        found = list(_read_semaphores(get_client(using), namespace(using)))
-    return sorted(found, key=lambda held: held.name)
-
-
-def semaphore_lines(using: str = "default") -> list[str]:
-    """Return the held semaphores of ``using`` as text lines (none when nothing is held).
-
-    What ``manage.py locks`` prints below its table of locks.
-    """
-    lines = []
-    for held in held_semaphores(using):
-        limit = "?" if held.limit is None else str(held.limit)
-        waiting = f", {held.waiters} waiting" if held.waiters else ""
-        lines.append(f"  {held.name}  {len(held.holders)}/{limit} permits held{waiting}")
-        for holder in held.holders:
-            lines.append(f"    {holder.owner}  {holder.time_left:.1f}s left")
-    if lines:
-        lines.insert(0, f"Semaphores in cache {using!r}:")
-    return lines
-
-
-def reset_semaphore(name: str, using: str = "default") -> int:
-    """Free every permit of semaphore ``name``; return how many were held.
-
-    Waiters in line are handed the freed permits (up to the stored limit) and
-    woken; a holder whose permit was freed learns it when it leaves its block
-    (LockLost) or at its next renewal.
-    """
-    validate_name(name)
-    keys = LockKeys.for_semaphore(namespace(using), name)
-    with backend_errors(name, using):
-        return run_steps(reset_steps(using, keys))

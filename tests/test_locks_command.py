@@ -762,7 +762,7 @@ def test_reset_all_releases_locks_and_leaves_semaphores_saying_so(
     assert [h.token for s in held_semaphores() for h in s.holders] == [permit.token]
 
 
-def test_quorum_alias_lists_no_semaphore_and_refuses_to_reset_one(
+def test_quorum_alias_lists_and_resets_its_semaphores_and_a_member_is_refused(
     settings: Any, permits: list[Semaphore]
 ) -> None:
     default = settings.CACHES["default"]
@@ -772,11 +772,23 @@ def test_quorum_alias_lists_no_semaphore_and_refuses_to_reset_one(
         "m2": {**default, "KEY_PREFIX": "m2"},
         "q": {**default, "MUTEX": {**default["MUTEX"], "QUORUM": ["m1", "m2"]}},
     }
-    permit = take_permit(permits, "exports", 1)
-    assert json.loads(locks("--json", "--using", "q")) == []
-    with pytest.raises(CommandError, match=r"Cache 'q' is a quorum: a semaphore lives on one"):
-        locks("--using", "q", "--reset-semaphore", "exports")
-    assert [h.token for s in held_semaphores() for h in s.holders] == [permit.token]
+    first = take_permit(permits, "exports", 3, using="q", label="nightly")
+    second = take_permit(permits, "exports", 3, using="q", label="hourly")
+    take_permit(permits, "exports", 3, using="m1")  # on one master: not the quorum's
+    [entry] = json.loads(locks("--json", "--using", "q"))
+    assert (entry["kind"], entry["name"], entry["limit"]) == ("semaphore", "exports", 3)
+    assert sorted(h["token"] for h in entry["holders"]) == sorted([first.token, second.token])
+    lines = locks("--using", "q").splitlines()
+    permit_lines = lines[lines.index("Semaphores in cache 'q':") + 1 :]
+    assert permit_lines[0] == "  exports  2/3 permits held"
+    assert sorted(line.split()[0] for line in permit_lines[1:]) == ["hourly", "nightly"]
+    with pytest.raises(CommandError, match=r"member of quorum 'q'; reset the semaphore through"):
+        locks("--using", "m1", "--reset-semaphore", "exports")
+    assert len(held_semaphores("q")[0].holders) == 2
+    out = locks("--using", "q", "--reset-semaphore", "exports")
+    # Every master is reset, each in its own namespace: m1's own permit too.
+    assert out.splitlines() == ["Reset semaphore 'exports': freed 3 permits."]
+    assert held_semaphores("q") == [] and held_semaphores("m1") == []
 
 
 # -- shared locks ----------------------------------------------------------

@@ -37,6 +37,7 @@ from django_redis_mutex import (
     reset_all,
 )
 from django_redis_mutex.client import namespace
+from django_redis_mutex.introspection import listed_locks
 from django_redis_mutex.keys import LockKeys
 from django_redis_mutex.testing import RedisServer
 
@@ -349,6 +350,25 @@ def test_held_locks_lists_a_quorum_lock_once_with_its_fence_and_owner(
     assert out.splitlines()[-1] == "1 lock held in cache 'q' (on a majority of m1, m2, m3)."
     [item] = json.loads(locks("--using", QUORUM, "--json"))
     assert (item["name"], item["fence"], item["masters"]) == ("nightly", lock.fence, 3)
+
+
+def test_held_locks_lists_each_shared_holder_a_majority_holds(
+    quorum: list[RedisServer], held: list[Mutex]
+) -> None:
+    readers = [hold(held, "report", shared=True, watchdog=False, ttl=60) for _ in range(4)]
+    # Each master holds another set of readers; the first three are on a majority each.
+    drop = {"m1": readers[1:2] + readers[3:], "m2": readers[3:], "m3": readers[2:3]}
+    for alias, server in zip(ALIASES, quorum, strict=True):
+        client = redis.Redis(port=server.port, socket_timeout=2)
+        try:
+            client.hdel(lock_key(alias, "report"), *(f"r:{reader.token}" for reader in drop[alias]))
+        finally:
+            client.close()
+
+    [found] = listed_locks(using=QUORUM)
+
+    assert found.held.shared and found.held.masters == 3
+    assert sorted(found.token.split()) == sorted(str(r.token) for r in readers[:3])
 
 
 # -- manage.py locks ----------------------------------------------------------------------------

@@ -4,8 +4,9 @@ A thin shell over :mod:`django_redis_mutex.introspection`, which the admin
 inspector shares, so both see and reset exactly the same keys (found with SCAN
 within this app's namespace, never KEYS, never FLUSHDB). ``--using`` may name a
 quorum alias (one whose MUTEX block has a QUORUM): its locks are listed when a
-majority of the masters hold them and reset on every master. A member alias of
-a quorum is refused for resets, which would clear one master only.
+majority of the masters hold them, its semaphores' permits when enough masters
+hold them for their limit, and both are reset on every master. A member alias
+of a quorum is refused for resets, which would clear one master only.
 
 Lock names and labels are often built from request data, so the table shows
 every field with control and bidi characters escaped (``\\x1b``, ``\\u202e``):
@@ -54,22 +55,21 @@ from django_redis_mutex.exceptions import LockBackendUnavailable
 from django_redis_mutex.filters import FILTER_FIELDS, FilterError, LockFilter
 from django_redis_mutex.introspection import (
     HeldLock,
+    HeldSemaphore,
     ListedLock,
     ensure_resettable,
     eviction_policies,
     held_locks,
+    held_semaphores,
     listed_locks,
     quorum_members,
     reset,
     reset_all,
     reset_listed,
+    reset_semaphore,
+    semaphore_lines,
 )
 from django_redis_mutex.owners import Owner
-from django_redis_mutex.semaphore import (
-    HeldSemaphore,
-    held_semaphores,
-    reset_semaphore,
-)
 
 COLUMNS = ("NAME", "HOST", "PID", "THREAD", "LABEL", "HELD FOR", "TIME LEFT", "FENCE", "WAITERS")
 
@@ -184,22 +184,6 @@ def json_entries(locks: list[HeldLock], semaphores: list[HeldSemaphore]) -> list
     ]
 
 
-def semaphore_lines(semaphores: list[HeldSemaphore], alias: str) -> list[str]:
-    """Return the lines printed below the table of locks: each semaphore, then its permits.
-
-    Times left are written as in the table (``display.duration``: "25.8 s").
-    """
-    if not semaphores:
-        return []
-    lines = [f"Semaphores in cache {alias!r}:"]
-    for held in semaphores:
-        limit = "?" if held.limit is None else str(held.limit)
-        waiting = f", {held.waiters} waiting" if held.waiters else ""
-        lines.append(f"  {held.name}  {len(held.holders)}/{limit} permits held{waiting}")
-        lines.extend(f"    {h.owner}  {duration(h.time_left)} left" for h in held.holders)
-    return lines
-
-
 def _plural(count: int, word: str) -> str:
     return f"{count} {word}" if count == 1 else f"{count} {word}s"
 
@@ -308,21 +292,13 @@ class Command(BaseCommand):
                 # A shared lock is narrowed to the holders the filter selects.
                 locks = [item.held for item in _selected(found, lock_filter)]
                 if options["json"]:
-                    semaphores = [] if lock_filter else self.semaphores(alias)
+                    semaphores = [] if lock_filter else held_semaphores(alias)
                     self.stdout.write(json.dumps(json_entries(locks, semaphores), indent=2))
                 else:
                     self.show_table(alias, locks, lock_filter, total=len(found))
                     if not lock_filter:
-                        for line in semaphore_lines(self.semaphores(alias), alias):
+                        for line in semaphore_lines(alias):
                             self.stdout.write(terminal_safe(line))
-
-    def semaphores(self, alias: str) -> list[HeldSemaphore]:
-        """Return the semaphores held in ``alias``; none for a quorum alias.
-
-        A semaphore lives on one Redis, never on a quorum of masters: the member
-        alias of that Redis lists it.
-        """
-        return [] if quorum_members(alias) else held_semaphores(using=alias)
 
     def reset_semaphore_names(self, alias: str, names: list[str]) -> None:
         """Free every permit of each named semaphore; fail naming those with none held.
@@ -330,11 +306,8 @@ class Command(BaseCommand):
         A name with no permit held is most often a typo or a lock's name: the
         command exits non-zero so a script notices, after resetting the others.
         """
-        if quorum_members(alias):
-            raise CommandError(
-                f"Cache {alias!r} is a quorum: a semaphore lives on one Redis, so reset it "
-                "through the alias of that Redis."
-            )
+        # Refuse a member of a quorum before resetting any name, as for locks.
+        ensure_resettable(alias, "semaphore")
         missing = []
         for name in names:
             freed = reset_semaphore(name, using=alias)
@@ -485,7 +458,7 @@ class Command(BaseCommand):
         """Say which locks were not held, and which of those names are held semaphores."""
         shown = ", ".join(repr(terminal_safe(name)) for name in names)
         message = f"No lock {shown} is held in cache {alias!r}; nothing reset."
-        semaphores = sorted({held.name for held in self.semaphores(alias)} & set(names))
+        semaphores = sorted({held.name for held in held_semaphores(alias)} & set(names))
         if semaphores:
             as_semaphores = " ".join(repr(terminal_safe(name)) for name in semaphores)
             message += (
@@ -515,7 +488,7 @@ class Command(BaseCommand):
         count = reset_all(using=alias)
         released = f"Released {_plural(count, 'lock')} in cache {alias!r}."
         self.stdout.write(self.style.SUCCESS(released))
-        kept = self.semaphores(alias)
+        kept = held_semaphores(alias)
         if kept:
             self.stdout.write(
                 f"{_plural(len(kept), 'semaphore')} with permits held left alone "
