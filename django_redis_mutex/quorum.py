@@ -38,7 +38,7 @@ from __future__ import annotations
 import random
 import time
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any, Literal, NamedTuple
+from typing import Any, Literal, NamedTuple
 
 from django.core.exceptions import ImproperlyConfigured
 
@@ -48,11 +48,8 @@ from .driver import Each, Fanned, Sleep, Steps
 from .exceptions import LockBackendUnavailable
 from .holds import Attempt, Hold, decode, owner_metadata
 from .keys import LockKeys
-from .topology import Grant, OneRedis
-
-if TYPE_CHECKING:
-    from .lock import Mutex
 from .owners import Owner, mark_transaction, parse_owner
+from .topology import Grant, LockHandle, OneRedis
 
 __all__ = ["Quorum", "quorum_members", "quorum_of"]
 
@@ -97,7 +94,7 @@ class Quorum(OneRedis):
 
     token_prefix = "q"
 
-    def __init__(self, lock: Mutex, aliases: tuple[str, ...]) -> None:
+    def __init__(self, lock: LockHandle, aliases: tuple[str, ...]) -> None:
         super().__init__(lock)
         for alias in aliases:
             if get_settings(alias).wait_replicas:
@@ -330,12 +327,3 @@ def _lock_key(keys: LockKeys) -> tuple[str, ...]:
 
 def _fence_key(keys: LockKeys) -> tuple[str, ...]:
     return (keys.fence,)
-
-
-def __getattr__(name: str) -> Any:
-    # QuorumMutex lives beside Mutex, which imports this module.
-    if name == "QuorumMutex":
-        from .lock import QuorumMutex
-
-        return QuorumMutex
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -16,21 +16,20 @@ Each operation is written once, as a generator of steps (see
 from __future__ import annotations
 
 import time
-from typing import TYPE_CHECKING, Any, Literal, NamedTuple
+from typing import Any, Literal, NamedTuple, Protocol
 
 from . import scripts
+from .conf import MutexSettings
 from .driver import REDIS_TICK, Acknowledged, Pop, Script, Sleep, Steps
 from .exceptions import LockNotReplicated
 from .handoff import handed_to, parse_wakeup, wake_steps
 from .holds import Attempt, Hold, decode, owner_metadata
+from .keys import LockKeys
 from .owners import Owner, mark_transaction, parse_owner
 from .scripts import HANDOFF_LEASE, WAIT_LEASE, lease_ms
 from .watchdog import declare_lost
 
-if TYPE_CHECKING:
-    from .lock import Mutex
-
-__all__ = ["Grant", "OneRedis"]
+__all__ = ["Grant", "LockHandle", "OneRedis"]
 
 # Margin added to a wait capped by the holder's lease, so the waiter wakes just
 # after the key expired rather than just before.
@@ -52,6 +51,26 @@ class Grant(NamedTuple):
     successor: str | None = None
 
 
+class LockHandle(Protocol):
+    """What a topology asks of the lock handle it serves (see lock.Mutex)."""
+
+    name: str
+    using: str
+    kind: str
+    label: str | None
+    lease: float
+    settings: MutexSettings
+    keys: LockKeys
+    _acquire_script: scripts.LuaScript
+    _limit_args: tuple[int, ...]
+
+    def _keys_on(self, alias: str) -> LockKeys: ...
+
+    def _acquire_args(self, attempt: Attempt, join: bool) -> list[Any]: ...
+
+    def _refused(self, attempt: Attempt, reply: list[Any]) -> None: ...
+
+
 class OneRedis:
     """The steps of a lock's operations on the one Redis of cache alias ``lock.using``."""
 
@@ -62,7 +81,7 @@ class OneRedis:
     # marks a quorum's, so a member tells its own holders from the quorum's.
     token_prefix = ""
 
-    def __init__(self, lock: Mutex) -> None:
+    def __init__(self, lock: LockHandle) -> None:
         self.lock = lock
         self.alias = lock.using
         self.keys = lock.keys
