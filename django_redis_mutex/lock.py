@@ -20,11 +20,9 @@ import asyncio
 import logging
 import secrets
 import sys
-import threading
 import time
 import warnings
 from collections.abc import Sequence
-from dataclasses import dataclass
 from typing import Any, Literal
 
 from django.core.exceptions import ImproperlyConfigured
@@ -51,9 +49,7 @@ from .exceptions import (
 from .giveback import give_back_later
 from .holds import (
     Attempt,
-    Contention,
     Hold,
-    Scope,
     await_transaction,
     awaiting_hold,
     close_scope,
@@ -64,6 +60,7 @@ from .holds import (
     transaction_ended,
 )
 from .keys import LockKeys, validate_label, validate_name
+from .levels import Levels
 from .owners import Owner
 from .quorum import Quorum, quorum_members
 from .scripts import WAIT_LEASE, lease_ms
@@ -84,24 +81,6 @@ class _Default:
 
 
 DEFAULT: Any = _Default()
-
-# Margin added to a wait capped by the holder's lease, so the waiter wakes just
-# after the key expired rather than just before.
-_EXPIRY_MARGIN = 0.002
-# A hand-over whose lease (counted from our last refused check-in) has less
-# than this share left is confirmed with Redis before the caller is told.
-_CONFIRM_SHARE = 0.25
-# How many owners' last failures a handle keeps for contended() at most.
-_CONTENDED_KEPT = 16
-
-
-@dataclass(eq=False, slots=True)
-class _Block:
-    """One entered ``with`` block of a handle: its owner, hold (None: FAIL_OPEN) and scope."""
-
-    owner: object
-    hold: Hold | None
-    scope: Scope | None
 
 
 class Mutex:
@@ -171,13 +150,7 @@ class Mutex:
         self.label = validate_label(label)
         self.keys = self._keys_on(using)
         self._where: OneRedis = OneRedis(self) if members is None else Quorum(self, members)
-        # One entry per level this handle holds; a nested level repeats its hold.
-        self._levels: list[Hold] = []
-        # One entry per entered with block, so each exit leaves what its enter took.
-        self._blocks: list[_Block] = []
-        self._state = threading.Lock()
-        # The last failed acquisition of each owner, latest last (see _note_contention).
-        self._contended: dict[object, Contention] = {}
+        self._levels = Levels()
 
     def __repr__(self) -> str:
         state = f"fence={self.fence}" if self._current() is not None else "unlocked"
@@ -200,15 +173,7 @@ class Mutex:
 
     def _current(self) -> Hold | None:
         """Return the hold this handle acts on: the latest of the current owner, else the latest."""
-        levels = self._levels
-        if len(levels) <= 1:
-            return levels[0] if levels else None
-        owner = current_owner()
-        with self._state:
-            for hold in reversed(self._levels):
-                if hold.owner == owner:
-                    return hold
-            return self._levels[-1] if self._levels else None
+        return self._levels.current()
 
     @property
     def _hold(self) -> Hold | None:
@@ -241,12 +206,7 @@ class Mutex:
         (one that ran ``aacquire()`` in a task of its own, say) gets the
         handle's latest.
         """
-        owner = current_owner()
-        with self._state:
-            contention = self._contended.get(owner)
-            if contention is None and self._contended:
-                contention = next(reversed(self._contended.values()))
-        return (contention or Contention()).error(self.name)
+        return self._levels.last_failure().error(self.name)
 
     # -- where the lock lives, and what it asks for ---------------------------
 
@@ -283,10 +243,7 @@ class Mutex:
             return self._joinable(hold)
         if not self.reentrant:
             return None
-        if self._levels:
-            owner = current_owner()
-            with self._state:
-                hold = next((h for h in reversed(self._levels) if h.owner == owner), None)
+        hold = self._levels.of_owner()
         if hold is None:
             hold = scoped_hold(self._where.targets())
         if hold is None or hold.lost or hold.releasing or not hold.active:
@@ -304,11 +261,6 @@ class Mutex:
                 name=self.name,
             )
         return hold
-
-    def _nest_into(self, hold: Hold) -> None:
-        with self._state:
-            hold.depth += 1
-            self._levels.append(hold)
 
     def _acquisition_steps(self, attempt: Attempt) -> Steps[Grant | None]:
         """Return the steps of a new acquisition, telling ``lock_waiting`` receivers if any."""
@@ -336,23 +288,9 @@ class Mutex:
         attempt.refused(int(reply[1]), reply[2] if len(reply) > 2 else None)
 
     def _note_contention(self, attempt: Attempt) -> None:
-        """Keep a failed attempt's contention as its owner's, for :meth:`contended`.
-
-        Kept per owner on the handle: a thread-local would be shared by the
-        asyncio tasks of one thread, and a context variable is meant to be
-        made once per process, not per handle. An owner's entry goes when it
-        next acquires, and at most ``_CONTENDED_KEPT`` owners are kept, oldest
-        out first, so threads and tasks that failed and ended never make a
-        long-lived handle grow.
-        """
+        """Keep a failed attempt's contention as its owner's, for :meth:`contended`."""
         contention = attempt.contention._replace(waited=time.monotonic() - attempt.started)
-        owner = current_owner()
-        with self._state:
-            kept = self._contended
-            kept.pop(owner, None)  # back in last: the latest
-            kept[owner] = contention
-            if len(kept) > _CONTENDED_KEPT:
-                del kept[next(iter(kept))]
+        self._levels.failed(contention)
         if signals.lock_contended.receivers:
             error = contention.error(self.name)
             signals.lock_contended.send(
@@ -364,12 +302,6 @@ class Mutex:
                 shared=self.shared,
                 **self._kind_signal,
             )
-
-    def _forget_contention(self) -> None:
-        """Drop the calling owner's last failure: it has the lock now."""
-        owner = current_owner()
-        with self._state:
-            self._contended.pop(owner, None)
 
     def _adopt(self, token: str, grant: Grant, owner: object = None) -> Hold:
         """Record a new acquisition as this handle's top level and start renewing it.
@@ -395,8 +327,7 @@ class Mutex:
         )
         for alias, (sent, lease) in grant.leases.items():
             hold.confirm(alias, sent, lease)
-        with self._state:
-            self._levels.append(hold)
+        self._levels.add(hold)
         if self.watchdog:
             get_watchdog().watch(hold)
         return hold
@@ -431,7 +362,7 @@ class Mutex:
         if hold is not None:
             with backend_errors(self.name, self.using):
                 if hold.valid() or run_steps(self._where.confirm_steps(hold)):
-                    self._nest_into(hold)
+                    self._levels.nest(hold)
                     return hold
         attempt = self._start(blocking, timeout)
         token, started = attempt.token, attempt.started
@@ -454,8 +385,7 @@ class Mutex:
             hold = self._adopt(token, grant)
             if self._still_granted(hold):
                 break
-        if self._contended:
-            self._forget_contention()
+        self._levels.succeeded()
         try:
             self._announce(hold, started)
         except BaseException:
@@ -558,7 +488,7 @@ class Mutex:
         if hold is not None:
             with backend_errors(self.name, self.using):
                 if hold.valid() or await AsyncDriver().run(self._where.confirm_steps(hold)):
-                    self._nest_into(hold)
+                    self._levels.nest(hold)
                     return hold
         attempt = self._start(blocking, timeout)
         started = attempt.started
@@ -572,8 +502,7 @@ class Mutex:
             # No await between this check and the body but a confirming one.
             if await self._astill_granted(hold):
                 break
-        if self._contended:
-            self._forget_contention()
+        self._levels.succeeded()
         try:
             self._announce(hold, started)
         except BaseException:
@@ -633,9 +562,7 @@ class Mutex:
         if not unwatched:
             get_watchdog().unwatch(hold)
         hold.active = False
-        if self._levels:  # a release has usually dropped the last level already
-            with self._state:
-                self._levels = [level for level in self._levels if level is not hold]
+        self._levels.remove(hold)
 
     def _give_back(self, hold: Hold) -> None:
         """Release a hold the caller will never see (best effort; its lease ends anyway)."""
@@ -658,7 +585,7 @@ class Mutex:
         # stays, so the release can be retried.
         get_watchdog().unwatch(hold)
         hold.releasing = True
-        self._nest_into(hold)
+        self._levels.nest(hold)
         # Called while the failure propagates. Redis not answering may also
         # mean the release never ran (dropped with its connection): the owner
         # has left, so the background gives the lock back until Redis answers,
@@ -680,16 +607,6 @@ class Mutex:
                 name=self.name,
             )
         return hold
-
-    def _drop_level(self, hold: Hold) -> bool:
-        """Leave one level of ``hold``; return True if another level still holds it."""
-        with self._state:
-            for i in range(len(self._levels) - 1, -1, -1):
-                if self._levels[i] is hold:
-                    del self._levels[i]
-                    break
-            hold.depth -= 1
-            return hold.depth > 0
 
     def _finish(self, hold: Hold, released: bool, databases: tuple[str, ...] = ()) -> None:
         """Forget the hold after Redis answered the release (the watchdog had let go before)."""
@@ -731,7 +648,7 @@ class Mutex:
         self._release(self._held_or_raise("release"))
 
     def _release(self, hold: Hold) -> None:
-        if self._drop_level(hold):
+        if self._levels.drop(hold):
             return
         kept = self._kept_for_transaction(hold)
         if kept is not None:
@@ -839,7 +756,7 @@ class Mutex:
         await self._arelease(self._held_or_raise("release"))
 
     async def _arelease(self, hold: Hold) -> None:
-        if self._drop_level(hold):
+        if self._levels.drop(hold):
             return
         kept = self._kept_for_transaction(hold)
         if kept is not None:
@@ -955,22 +872,7 @@ class Mutex:
         logger.warning(
             "FAIL_OPEN: running %r unlocked because Redis is unavailable: %s", self.name, exc
         )
-        self._push_block(None)
-
-    def _push_block(self, hold: Hold | None) -> None:
-        scope = open_scope(hold) if hold is not None else None
-        with self._state:
-            self._blocks.append(_Block(current_owner(), hold, scope))
-
-    def _pop_block(self) -> _Block | None:
-        # A block is normally left by the owner that entered it; an async
-        # generator closed by another task leaves it from there.
-        owner = current_owner()
-        with self._state:
-            for i in range(len(self._blocks) - 1, -1, -1):
-                if self._blocks[i].owner == owner:
-                    return self._blocks.pop(i)
-            return self._blocks.pop() if self._blocks else None
+        self._levels.enter(None, None)
 
     def __enter__(self) -> Mutex:
         try:
@@ -980,7 +882,7 @@ class Mutex:
             return self
         if hold is None:
             raise self.contended()
-        self._push_block(hold)
+        self._levels.enter(hold, open_scope(hold))
         return self
 
     async def __aenter__(self) -> Mutex:
@@ -991,12 +893,12 @@ class Mutex:
             return self
         if hold is None:
             raise self.contended()
-        self._push_block(hold)
+        self._levels.enter(hold, open_scope(hold))
         return self
 
     def _leaving(self) -> Hold | None:
         """Pop the block being left; return its hold (None if it ran unlocked)."""
-        block = self._pop_block()
+        block = self._levels.leave()
         if block is None or block.hold is None:
             return None
         if block.scope is not None:

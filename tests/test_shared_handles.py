@@ -247,16 +247,16 @@ def test_a_handle_keeps_few_failures_however_many_owners_failed_on_it() -> None:
             worker.start()
         all_failed.wait(10)
         assert [worker.outcome() for worker in workers] == [False] * callers
-        assert len(shared._contended) <= 16
+        assert len(shared._levels._failures) <= 16
         assert not shared.acquire()
         busy = shared.contended()
     finally:
         holder.release()
     assert busy.owner is not None and busy.owner.label == "holder"
-    kept = len(shared._contended)
+    kept = len(shared._levels._failures)
     assert shared.acquire()  # an owner that gets the lock keeps no failure
     shared.release()
-    assert len(shared._contended) == kept - 1
+    assert len(shared._levels._failures) == kept - 1
 
 
 def test_a_quorum_hold_confirmed_and_refused_from_two_threads_stays_consistent() -> None:
