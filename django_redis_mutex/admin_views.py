@@ -28,7 +28,6 @@ and a member alias of a quorum is refused for either reset.
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable, Iterable, Mapping
 from datetime import datetime
 from typing import Any, Protocol
@@ -61,6 +60,7 @@ from .introspection import (
     reset,
     reset_listed,
     reset_semaphore,
+    seconds_since,
 )
 from .keys import validate_name
 from .models import Lock, Semaphore
@@ -202,7 +202,7 @@ def _row(
     # ``holders`` has one entry per holder either way (one for an exclusive lock).
     if held.shared:
         holders = [
-            _holder(h.owner, h.acquired_at, _since(h.acquired_at), h.time_left, h.fence)
+            _holder(h.owner, h.acquired_at, seconds_since(h.acquired_at), h.time_left, h.fence)
             for h in held.holders
         ]
     else:
@@ -238,11 +238,6 @@ def _holder(
         "time_left_parts": _wrap_points(duration(time_left)),
         "fence": fence,
     }
-
-
-def _since(moment: datetime) -> float:
-    """Seconds from ``moment`` until now by this server's clock, as ``HeldLock.held_for``."""
-    return max(0.0, time.time() - moment.timestamp())
 
 
 def _wrap_points(text: str) -> list[str]:

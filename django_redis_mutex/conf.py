@@ -18,13 +18,25 @@ from django.core.signals import setting_changed
 from django.dispatch import receiver
 
 __all__ = [
+    "DEFAULT",
     "DEFAULTS",
     "MutexSettings",
     "get_settings",
+    "refuse_timeout_without_blocking",
     "validate_flag",
     "validate_timeout",
     "validate_ttl",
 ]
+
+
+class _Default:
+    """Sentinel: take the value from the alias's MUTEX settings."""
+
+    def __repr__(self) -> str:
+        return "DEFAULT"
+
+
+DEFAULT: Any = _Default()
 
 DEFAULTS: dict[str, Any] = {
     "TTL": 30,
@@ -104,6 +116,15 @@ def validate_flag(what: str, value: object) -> bool:
     if not isinstance(value, bool):
         raise TypeError(f"{what} must be True or False, not {type(value).__name__}.")
     return value
+
+
+def refuse_timeout_without_blocking(blocking: object, timeout: object) -> None:
+    """Raise when a timeout is given with ``blocking=False``: one of them is a mistake.
+
+    ``timeout=None`` (or left out) is not a timeout given.
+    """
+    if blocking is False and timeout is not None and timeout is not DEFAULT:
+        raise ValueError("A timeout cannot be given with blocking=False (it would never wait).")
 
 
 def validate_timeout(value: object, *, what: str = "timeout") -> float | None:

@@ -20,7 +20,7 @@ from collections.abc import Callable, Sequence
 from typing import Any, Generic, Literal, TypeVar, cast
 
 from .atomic_requests import RequestTransactions
-from .conf import validate_flag, validate_timeout, validate_ttl
+from .conf import refuse_timeout_without_blocking, validate_flag, validate_timeout, validate_ttl
 from .exceptions import LockContended
 from .holds import current_owner
 from .keys import validate_label, validate_name
@@ -181,10 +181,7 @@ class MutexContext:
             validate_ttl(options["ttl"])
         if options.get("timeout", DEFAULT) is not DEFAULT:
             validate_timeout(options["timeout"])
-            if options.get("blocking") is False and options["timeout"] is not None:
-                raise ValueError(
-                    "A timeout cannot be given for a non-blocking lock (blocking=False)."
-                )
+        refuse_timeout_without_blocking(options.get("blocking"), options.get("timeout", DEFAULT))
         self._options = options
         self._entered: EnteredHandles[Mutex] = EnteredHandles(self)
 

@@ -14,12 +14,10 @@ from __future__ import annotations
 
 import math
 import re
-import time
 from dataclasses import dataclass, fields, replace
-from datetime import datetime
 
 from .display import duration
-from .introspection import HeldLock, ListedLock
+from .introspection import HeldLock, ListedLock, seconds_since
 from .owners import Owner
 
 __all__ = ["FILTER_FIELDS", "FilterError", "LockFilter", "parse_duration"]
@@ -157,7 +155,7 @@ class LockFilter:
         A lock held shared passes when any of its holders does.
         """
         if held.shared:
-            return any(self._matches(h.owner, _since(h.acquired_at)) for h in held.holders)
+            return any(self._matches(h.owner, seconds_since(h.acquired_at)) for h in held.holders)
         return self._matches(held.owner, held.held_for)
 
     def select(self, listed: ListedLock) -> ListedLock | None:
@@ -172,7 +170,7 @@ class LockFilter:
         kept = [
             (token, holder)
             for token, holder in zip(listed.token.split(), held.holders, strict=True)
-            if self._matches(holder.owner, _since(holder.acquired_at))
+            if self._matches(holder.owner, seconds_since(holder.acquired_at))
         ]
         if not kept:
             return None
@@ -210,8 +208,3 @@ class LockFilter:
         if self.older_than is not None:
             parts.append(f"older than {duration(self.older_than)}")
         return ", ".join(parts) or "every lock"
-
-
-def _since(moment: datetime) -> float:
-    """Seconds from ``moment`` until now (by this server's clock), never negative."""
-    return max(0.0, time.time() - moment.timestamp())

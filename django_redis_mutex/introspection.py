@@ -68,6 +68,11 @@ SCAN_BATCH = 500
 _MEMBER_FAILURES = (*UNAVAILABLE, ResponseError)
 
 
+def seconds_since(moment: datetime) -> float:
+    """Return the seconds from ``moment`` until now by this server's clock, never negative."""
+    return max(0.0, time.time() - moment.timestamp())
+
+
 @dataclass(frozen=True)
 class SharedHolder:
     """One holder of a lock held shared, as read from Redis.
@@ -109,7 +114,7 @@ class HeldLock:
     @property
     def held_for(self) -> float:
         """Seconds since the lock was acquired (by this server's clock)."""
-        return max(0.0, time.time() - self.acquired_at.timestamp())
+        return seconds_since(self.acquired_at)
 
     @property
     def ttl(self) -> float:

@@ -30,7 +30,15 @@ from redis import exceptions as redis_errors
 
 from . import scripts, signals
 from .client import backend_errors, namespace
-from .conf import MutexSettings, get_settings, validate_flag, validate_timeout, validate_ttl
+from .conf import (
+    DEFAULT,
+    MutexSettings,
+    get_settings,
+    refuse_timeout_without_blocking,
+    validate_flag,
+    validate_timeout,
+    validate_ttl,
+)
 from .driver import (
     AsyncDriver,
     Pop,
@@ -71,16 +79,6 @@ from .watchdog import declare_lost, get_watchdog
 __all__ = ["DEFAULT", "Mutex"]
 
 logger = logging.getLogger("django_redis_mutex")
-
-
-class _Default:
-    """Sentinel: take the value from the alias's MUTEX settings."""
-
-    def __repr__(self) -> str:
-        return "DEFAULT"
-
-
-DEFAULT: Any = _Default()
 
 
 class Mutex:
@@ -136,8 +134,7 @@ class Mutex:
         self.blocking: bool = (
             config.blocking if blocking is DEFAULT else validate_flag("blocking", blocking)
         )
-        if blocking is False and timeout is not DEFAULT and timeout is not None:
-            raise ValueError("A timeout cannot be given for a non-blocking lock (blocking=False).")
+        refuse_timeout_without_blocking(blocking, timeout)
         self.watchdog: bool = (
             config.watchdog if watchdog is DEFAULT else validate_flag("watchdog", watchdog)
         )
@@ -1043,8 +1040,7 @@ def wait_params(
         blocking = default_blocking
     else:
         blocking = validate_flag("blocking", blocking)
-        if not blocking and timeout is not DEFAULT and timeout is not None:
-            raise ValueError("A timeout cannot be given for a non-blocking acquire.")
+        refuse_timeout_without_blocking(blocking, timeout)
     timeout = default_timeout if timeout is DEFAULT else validate_timeout(timeout)
     return blocking, timeout
 

@@ -217,6 +217,27 @@ def test_blocking_false_with_timeout_fails_when_mutex_is_built():
         mutex("x", blocking=False, timeout=5)
 
 
+def test_a_timeout_with_blocking_false_is_refused_with_one_message_everywhere():
+    from django_redis_mutex import Semaphore, semaphore
+
+    refusals = [
+        lambda: mutex("x", blocking=False, timeout=5),
+        lambda: Mutex("x", blocking=False, timeout=5),
+        lambda: semaphore("x", 2, blocking=False, timeout=5),
+        lambda: Semaphore("x", 2, blocking=False, timeout=5),
+        lambda: Mutex("x").acquire(blocking=False, timeout=5),
+        lambda: Semaphore("x", 2).acquire(blocking=False, timeout=5),
+    ]
+    messages = set()
+    for refuse in refusals:
+        with pytest.raises(ValueError) as refused:
+            refuse()
+        messages.add(str(refused.value))
+    assert messages == {"A timeout cannot be given with blocking=False (it would never wait)."}
+    # A timeout of None is no timeout given.
+    assert Mutex("x", blocking=False, timeout=None).timeout is None
+
+
 @pytest.mark.parametrize("option", ["blocking", "watchdog", "reentrant"])
 def test_non_bool_flag_is_a_type_error(option):
     with pytest.raises(TypeError, match=option):

@@ -580,9 +580,9 @@ def test_bad_names_and_options_are_refused_naming_the_problem() -> None:
         Semaphore(3, 1)  # type: ignore[arg-type]
     with pytest.raises(TypeError, match="using must be a cache alias"):
         Semaphore("x", 1, using=3)  # type: ignore[arg-type]
-    with pytest.raises(ValueError, match="non-blocking"):
+    with pytest.raises(ValueError, match="with blocking=False"):
         Semaphore("x", 1, blocking=False, timeout=2)
-    with pytest.raises(ValueError, match="non-blocking"):
+    with pytest.raises(ValueError, match="with blocking=False"):
         semaphore("x", 1, blocking=False, timeout=2)
     with pytest.raises(TypeError, match="ttl must be a number"):
         semaphore("x", 1, ttl="long")  # type: ignore[arg-type]

@@ -40,10 +40,8 @@ locks never takes permits from their holders.
 from __future__ import annotations
 
 import json
-import time
 from collections.abc import Iterator
 from contextlib import contextmanager
-from datetime import datetime
 from typing import Any
 
 from django.core.exceptions import ImproperlyConfigured
@@ -67,6 +65,7 @@ from django_redis_mutex.introspection import (
     reset_all,
     reset_listed,
     reset_semaphore,
+    seconds_since,
     semaphore_lines,
 )
 from django_redis_mutex.owners import Owner
@@ -141,7 +140,7 @@ def table_rows(locks: list[HeldLock]) -> list[tuple[str, ...]]:
                 (
                     f"{terminal_safe(lock.name)} {SHARED_MARK}" if first else MORE_HOLDERS,
                     *_owner_cells(holder.owner),
-                    duration(_since(holder.acquired_at)),
+                    duration(seconds_since(holder.acquired_at)),
                     duration(holder.time_left),
                     str(holder.fence),
                     str(lock.waiters) if first else "",
@@ -158,11 +157,6 @@ def _owner_cells(owner: Owner) -> tuple[str, str, str, str]:
         waiting = terminal_safe(f"(kept until its transaction on {databases} ends)")
         label = waiting if label == "-" else f"{label} {waiting}"
     return (_cell(owner.host), _cell(owner.pid), _cell(owner.thread), label)
-
-
-def _since(moment: datetime) -> float:
-    """Seconds from ``moment`` until now by this machine's clock, as ``HeldLock.held_for``."""
-    return max(0.0, time.time() - moment.timestamp())
 
 
 def _selected(listed: list[ListedLock], lock_filter: LockFilter) -> list[ListedLock]:
