@@ -230,6 +230,22 @@ def test_fail_open_exit_logs_instead_of_raising_when_redis_died(caplog):
     assert any("inventory" in r.getMessage() for r in caplog.records if r.levelno == logging.ERROR)
 
 
+@pytest.mark.parametrize("kind", ["lock", "semaphore"])
+def test_fail_open_leaving_a_block_whose_redis_died_logs_for_every_kind(caplog, kind):
+    # FAIL_OPEN treats a failed release alike for every kind: the body ran
+    # under its lock or permit, and the lease ends by itself.
+    with (
+        dedicated(FAIL_OPEN=True) as server,
+        caplog.at_level(logging.ERROR, "django_redis_mutex"),
+    ):
+        guard = mutex("exports", watchdog=False) if kind == "lock" else semaphore("exports", 2)
+        with guard as held:
+            server.kill()
+    assert held.token is not None  # kept for a retry; the lease ends by itself
+    errors = [r.getMessage() for r in caplog.records if r.levelno == logging.ERROR]
+    assert any(f"Could not release {kind} 'exports'" in message for message in errors), errors
+
+
 def test_waiter_fails_promptly_when_redis_dies_during_its_wait():
     with dedicated() as server:
         holder = Mutex("inventory", watchdog=False)
