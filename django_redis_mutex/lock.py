@@ -58,22 +58,20 @@ from .giveback import give_back_later
 from .holds import (
     Attempt,
     Hold,
-    await_transaction,
     awaiting_hold,
     close_scope,
     current_owner,
     open_scope,
     owner_metadata,
     scoped_hold,
-    transaction_ended,
 )
+from .kept import keep_for_transaction, lost_while_kept
 from .keys import LockKeys, validate_label, validate_name
 from .levels import Levels
 from .owners import Owner
 from .quorum import Quorum, quorum_members
 from .scripts import WAIT_LEASE, lease_ms
 from .topology import Grant, OneRedis
-from .transactions import TransactionWait, open_transactions, warn_if_read_before
 from .watchdog import declare_lost, get_watchdog
 
 __all__ = ["DEFAULT", "Mutex"]
@@ -647,10 +645,10 @@ class Mutex:
     def _release(self, hold: Hold) -> None:
         if self._levels.drop(hold):
             return
-        kept = self._kept_for_transaction(hold)
+        kept = keep_for_transaction(self, hold)
         if kept is not None:
             if kept and not run_steps(self._where.mark_steps(hold, kept)):
-                self._lost_while_kept(hold)
+                lost_while_kept(self, hold)
             return
         # Stop renewing first: a renewal answered after our release would
         # otherwise report the lock as lost.
@@ -663,91 +661,6 @@ class Mutex:
             raise
         self._finish(hold, released)
 
-    def _kept_for_transaction(self, hold: Hold) -> list[str] | None:
-        """Keep ``hold`` until this thread's open transactions end, if any are open.
-
-        Return None when the lock is to be given back now, else the aliases
-        of the databases waited for when this made the hold wait (its owner
-        record is to be marked), or [] when it was waiting already.
-
-        Given back now, the next holder could read the rows before our COMMIT
-        (or from a snapshot older than it) and overwrite them. The watchdog
-        keeps renewing the lease meanwhile; the transaction's end gives the lock
-        back (see transactions.py).
-        """
-        if self.release_at_block_end or hold.lost:
-            # A hold already lost is not kept: its release tells the block,
-            # whose LockLost then rolls the transaction back.
-            return None
-        connections = open_transactions()
-        if not connections:
-            return None
-        wait = hold.transaction_wait
-        newly = wait is None or wait.done
-        if wait is None or wait.done:
-            wait = hold.transaction_wait = TransactionWait(
-                lambda: self._release_after_transaction(hold)
-            )
-            await_transaction(hold)
-            warn_if_read_before(self.name, connections, hold.acquired_at)
-        wait.add(connections)
-        if signals.lock_held_for_transaction.receivers:
-            signals.lock_held_for_transaction.send(
-                sender=self.using,
-                name=self.name,
-                fence=hold.fence,
-                databases=tuple(wait.aliases),
-                shared=hold.shared,
-            )
-        return list(wait.aliases) if newly else []
-
-    def _lost_while_kept(self, hold: Hold) -> None:
-        """The lock was gone when its block ended in a transaction: tell the block."""
-        wait = hold.transaction_wait
-        if wait is not None:
-            wait.cancel()
-        hold.transaction_wait = None
-        transaction_ended(hold)
-        self._finish(hold, False)  # raises LockNotOwned: the block raises LockLost
-
-    def _release_after_transaction(self, hold: Hold) -> None:
-        """Give back a hold kept for a transaction that has just committed or rolled back."""
-        transaction_ended(hold)
-        wait, hold.transaction_wait = hold.transaction_wait, None
-        if hold.depth > 0 or not hold.active:
-            return  # taken again by its owner and still held, or already given back
-        get_watchdog().unwatch(hold)
-        databases = tuple(wait.aliases) if wait is not None else ()
-        try:
-            with backend_errors(self.name, self.using):
-                released = run_steps(self._where.release_steps(hold))
-        except LockBackendUnavailable as exc:
-            self._forget(hold, unwatched=True)
-            logger.error(
-                "Could not give back lock %r after its transaction ended; retrying in the "
-                "background: %s",
-                self.name,
-                exc,
-            )
-            # Its owner has left: nothing may keep it until its lease ends.
-            give_back_later(
-                f"{self.kind} {self.name!r} (fence {hold.fence})",
-                lambda: self._where.release_steps(hold),
-                hold.ttl,
-            )
-            return
-        if not released:
-            self._forget(hold, unwatched=True)
-            declare_lost(hold, "it was no longer held by this owner when its transaction ended")
-            logger.error(
-                "Lock %r (fence %s) was lost before its transaction ended: another owner may "
-                "have entered while the transaction was open.",
-                self.name,
-                hold.fence,
-            )
-            return
-        self._finish(hold, True, databases)
-
     async def arelease(self) -> None:
         """Async twin of :meth:`release`; a cancelled release can be retried too."""
         await self._arelease(self._held_or_raise("release"))
@@ -755,10 +668,10 @@ class Mutex:
     async def _arelease(self, hold: Hold) -> None:
         if self._levels.drop(hold):
             return
-        kept = self._kept_for_transaction(hold)
+        kept = keep_for_transaction(self, hold)
         if kept is not None:
             if kept and not await AsyncDriver().run(self._where.mark_steps(hold, kept)):
-                self._lost_while_kept(hold)
+                lost_while_kept(self, hold)
             return
         get_watchdog().unwatch(hold)
         try:
