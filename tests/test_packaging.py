@@ -450,3 +450,22 @@ def test_the_package_modules_import_each_other_without_cycles() -> None:
 
     cycles = [found for name in sorted(graph) if (found := cycle_from(name))]
     assert cycles == [], f"import cycles between package modules: {cycles}"
+
+
+def test_the_contributing_page_names_every_module_of_the_package() -> None:
+    """Its module map is where a newcomer finds the engine, the glue and the admin."""
+    root = Path(__file__).resolve().parent.parent
+    page = (root / "docs" / "contributing.rst").read_text()
+    layout = page[page.index("Layout\n") :]
+    package = root / "django_redis_mutex"
+    modules = [
+        path.relative_to(package).as_posix()
+        for path in package.rglob("*.py")
+        if path.name != "__init__.py" and "migrations" not in path.parts
+    ]
+    missing = [
+        module
+        for module in modules
+        if f"``{module}``" not in layout and f"``{Path(module).name}``" not in layout
+    ]
+    assert missing == []
