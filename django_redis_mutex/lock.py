@@ -23,7 +23,7 @@ import sys
 import time
 import warnings
 from collections.abc import Sequence
-from typing import Any, Literal
+from typing import Any, Literal, TypeVar
 
 from django.core.exceptions import ImproperlyConfigured
 from redis import exceptions as redis_errors
@@ -74,7 +74,9 @@ from .scripts import WAIT_LEASE, lease_ms
 from .topology import Grant, OneRedis
 from .watchdog import declare_lost, get_watchdog
 
-__all__ = ["DEFAULT", "Mutex"]
+__all__ = ["DEFAULT", "Mutex", "QuorumMutex"]
+
+T = TypeVar("T")
 
 logger = logging.getLogger("django_redis_mutex")
 
@@ -354,11 +356,9 @@ class Mutex:
     def _acquire(self, blocking: bool, timeout: float | None) -> Hold | None:
         blocking, timeout = self._wait_params(blocking, timeout)
         hold = self._nest_candidate()
-        if hold is not None:
-            with backend_errors(self.name, self.using):
-                if hold.valid() or run_steps(self._where.confirm_steps(hold)):
-                    self._levels.nest(hold)
-                    return hold
+        if hold is not None and (hold.valid() or self._run(self._where.confirm_steps(hold))):
+            self._levels.nest(hold)
+            return hold
         attempt = self._start(blocking, timeout)
         token, started = attempt.token, attempt.started
         while True:
@@ -408,8 +408,7 @@ class Mutex:
             return True
         get_watchdog().unwatch(hold)
         try:
-            with backend_errors(self.name, self.using):
-                kept = not hold.strict and run_steps(self._where.extend_steps(hold, self.lease))
+            kept = not hold.strict and self._run(self._where.extend_steps(hold, self.lease))
         except BaseException:
             self._give_back(hold)
             raise
@@ -424,10 +423,7 @@ class Mutex:
             return True
         get_watchdog().unwatch(hold)
         try:
-            with backend_errors(self.name, self.using):
-                kept = not hold.strict and await AsyncDriver().run(
-                    self._where.extend_steps(hold, self.lease)
-                )
+            kept = not hold.strict and await self._arun(self._where.extend_steps(hold, self.lease))
         except BaseException:
             await asyncio.shield(self._agive_back(hold))
             raise
@@ -480,11 +476,9 @@ class Mutex:
     async def _aacquire(self, blocking: bool, timeout: float | None) -> Hold | None:
         blocking, timeout = self._wait_params(blocking, timeout)
         hold = self._nest_candidate()
-        if hold is not None:
-            with backend_errors(self.name, self.using):
-                if hold.valid() or await AsyncDriver().run(self._where.confirm_steps(hold)):
-                    self._levels.nest(hold)
-                    return hold
+        if hold is not None and (hold.valid() or await self._arun(self._where.confirm_steps(hold))):
+            self._levels.nest(hold)
+            return hold
         attempt = self._start(blocking, timeout)
         started = attempt.started
         while True:
@@ -654,8 +648,7 @@ class Mutex:
         # otherwise report the lock as lost.
         get_watchdog().unwatch(hold)
         try:
-            with backend_errors(self.name, self.using):
-                released = run_steps(self._where.release_steps(hold))
+            released = self._run(self._where.release_steps(hold))
         except BaseException:
             self._release_failed_locally(hold)
             raise
@@ -675,8 +668,7 @@ class Mutex:
             return
         get_watchdog().unwatch(hold)
         try:
-            with backend_errors(self.name, self.using):
-                released = await AsyncDriver().run(self._where.release_steps(hold))
+            released = await self._arun(self._where.release_steps(hold))
         except BaseException:
             self._release_failed_locally(hold)
             raise
@@ -700,49 +692,50 @@ class Mutex:
         Later watchdog renewals keep to the new length. Raise LockNotOwned if
         the lock is no longer ours.
         """
-        ttl = self.lease if ttl is None else validate_ttl(ttl)
-        hold = self._held_or_raise("extend")
-        with backend_errors(self.name, self.using):
-            ok = run_steps(self._where.extend_steps(hold, ttl))
-        self._extended(hold, ttl, ok)
+        hold, ttl = self._extending(ttl)
+        self._extended(hold, ttl, self._run(self._where.extend_steps(hold, ttl)))
 
     async def aextend(self, ttl: float | None = None) -> None:
         """Async twin of :meth:`extend`."""
-        ttl = self.lease if ttl is None else validate_ttl(ttl)
-        hold = self._held_or_raise("extend")
+        hold, ttl = self._extending(ttl)
+        self._extended(hold, ttl, await self._arun(self._where.extend_steps(hold, ttl)))
+
+    def _extending(self, ttl: float | None) -> tuple[Hold, float]:
+        return self._held_or_raise("extend"), self.lease if ttl is None else validate_ttl(ttl)
+
+    def _run(self, steps: Steps[T]) -> T:
+        """Drive ``steps`` with blocking calls, Redis's failures raised as ours."""
         with backend_errors(self.name, self.using):
-            ok = await AsyncDriver().run(self._where.extend_steps(hold, ttl))
-        self._extended(hold, ttl, ok)
+            return run_steps(steps)
+
+    async def _arun(self, steps: Steps[T]) -> T:
+        """Drive ``steps`` on the event loop, Redis's failures raised as ours."""
+        with backend_errors(self.name, self.using):
+            return await AsyncDriver().run(steps)
 
     def time_left(self) -> float:
         """Return the seconds left on this handle's lease (asks Redis), 0.0 if it holds none."""
-        with backend_errors(self.name, self.using):
-            return run_steps(self._where.time_left_steps(self._current()))
+        return self._run(self._where.time_left_steps(self._current()))
 
     async def atime_left(self) -> float:
         """Async twin of :meth:`time_left`."""
-        with backend_errors(self.name, self.using):
-            return await AsyncDriver().run(self._where.time_left_steps(self._current()))
+        return await self._arun(self._where.time_left_steps(self._current()))
 
     def owned(self) -> bool:
         """Return True if this handle holds the lock right now (asks Redis)."""
-        with backend_errors(self.name, self.using):
-            return run_steps(self._where.owned_steps(self._current()))
+        return self._run(self._where.owned_steps(self._current()))
 
     async def aowned(self) -> bool:
         """Async twin of :meth:`owned`."""
-        with backend_errors(self.name, self.using):
-            return await AsyncDriver().run(self._where.owned_steps(self._current()))
+        return await self._arun(self._where.owned_steps(self._current()))
 
     def locked(self) -> bool:
         """Return True if anyone holds the lock right now."""
-        with backend_errors(self.name, self.using):
-            return run_steps(self._where.holder_steps()) is not None
+        return self._run(self._where.holder_steps()) is not None
 
     async def alocked(self) -> bool:
         """Async twin of :meth:`locked`."""
-        with backend_errors(self.name, self.using):
-            return await AsyncDriver().run(self._where.holder_steps()) is not None
+        return await self._arun(self._where.holder_steps()) is not None
 
     def ttl(self) -> float:
         """Deprecated name of :meth:`time_left` (``ttl=`` is the lease length)."""
@@ -760,13 +753,11 @@ class Mutex:
         For a lock held shared, one of its shared holders (see
         :func:`~django_redis_mutex.held_locks` for all of them).
         """
-        with backend_errors(self.name, self.using):
-            return run_steps(self._where.holder_steps()) or None
+        return self._run(self._where.holder_steps()) or None
 
     async def aowner(self) -> Owner | None:
         """Async twin of :meth:`owner`."""
-        with backend_errors(self.name, self.using):
-            return await AsyncDriver().run(self._where.holder_steps()) or None
+        return await self._arun(self._where.holder_steps()) or None
 
     # -- context manager -----------------------------------------------------
     #
