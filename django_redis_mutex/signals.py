@@ -19,9 +19,9 @@ Each is sent with ``sender`` set to the cache alias and these keyword arguments:
 ``lock_lost``
     ``name``, ``fence``, ``held`` (seconds from acquisition until the loss was
     noticed), ``shared``.
-    Also sent when a semaphore permit is found gone, with ``fence=None`` and
-    ``kind="semaphore"``; a lock's loss has no ``kind``, so tell a permit by
-    ``kwargs.get("kind") == "semaphore"``.
+    Also sent when a semaphore permit is found gone, with the permit's fence
+    and ``kind="semaphore"``; a lock's loss has no ``kind``, so tell a permit
+    by ``kwargs.get("kind") == "semaphore"``.
 ``lock_waiting``
     ``name``, ``waiting``: ``True`` when an acquisition starts waiting for a
     lock someone else holds, ``False`` when that wait ends, however it ends
@@ -33,7 +33,10 @@ Each is sent with ``sender`` set to the cache alias and these keyword arguments:
     raised, or swallowed by ``FAIL_OPEN``): an acquisition failed because Redis
     could not be reached.
 
-``shared`` is True for a shared (read) lock, ``mutex(name, shared=True)``.
+``shared`` is True for a shared (read) lock, ``mutex(name, shared=True)``,
+and for a semaphore's permit. A permit's ``lock_acquired``, ``lock_released``,
+``lock_held_for_transaction``, ``lock_contended`` and ``lock_lost`` also carry
+``kind="semaphore"``.
 
 Receivers run in the thread that acquired or released the lock, except
 ``lock_lost`` when the watchdog notices the loss, which runs in the watchdog
