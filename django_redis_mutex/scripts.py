@@ -226,10 +226,11 @@ end
 -- Give the lock to waiter head (first in line, alive) with the hand-off lease:
 -- an exclusive waiter only when the lock is free; a shared one (with the
 -- shared waiters right behind it, as many as LIMIT leaves room for beside the
--- live shared holders) when no exclusive holder has it. Wake the waiter whose
--- list is KEYS[6] (expected is its token) here; return false when nobody was
--- admitted, true when nobody else needs waking, else the other granted
--- tokens, space-separated, for the caller to send WAKE; and how many got in.
+-- live shared holders) when no exclusive holder has it. Wake the expected
+-- waiter here ({its token, its wake-up list}: a list among the caller's KEYS,
+-- or nil); return false when nobody was admitted, true when nobody else needs
+-- waking, else the other granted tokens, space-separated, for the caller to
+-- send WAKE; and how many got in.
 local function hand_to(head, expected, live)
   local granted = {}
   if is_shared(head) then
@@ -250,9 +251,9 @@ local function hand_to(head, expected, live)
   if after then redis.call('HSET', KEYS[1], 'queued', '1') end
   local others = {}
   for _, entry in ipairs(granted) do
-    if entry[1] == expected then
-      redis.call('RPUSH', KEYS[6], entry[2] .. '|' .. (after or ''))
-      redis.call('PEXPIRE', KEYS[6], WAIT_LEASE)
+    if expected and entry[1] == expected[1] then
+      redis.call('RPUSH', expected[2], entry[2] .. '|' .. (after or ''))
+      redis.call('PEXPIRE', expected[2], WAIT_LEASE)
     else
       others[#others + 1] = entry[1]
     end
@@ -488,7 +489,7 @@ if shared then
   if ended then return 0 end
   if not found[2] then return 1 end
 end
-local handed = hand_off(ARGV[2], live)
+local handed = hand_off(ARGV[2] and {ARGV[2], KEYS[6]}, live)
 if handed == false then return 1 end
 if handed == true then return 2 end
 return handed
