@@ -113,12 +113,18 @@ def test_a_client_that_retries_takes_one_connection_per_script(redis_url: str) -
 # Busy for 100 ms, so its reply is not there yet when the next command is sent.
 _SLOW = scripts.LuaScript(
     "slow",
-    "local t = redis.call('TIME'); local e = t[1] * 1000000 + t[2] + 100000\n"
+    summary="Keep the server busy for 100 ms.",
+    keys=(),
+    argv=(),
+    returns="'slow'",
+    source="local t = redis.call('TIME'); local e = t[1] * 1000000 + t[2] + 100000\n"
     "while true do local n = redis.call('TIME')\n"
     "  if n[1] * 1000000 + n[2] > e then break end end\n"
     "return 'slow'",
 )
-_ECHO = scripts.LuaScript("echo", "return ARGV[1]")
+_ECHO = scripts.LuaScript(
+    "echo", summary="Echo.", keys=(), argv=("text",), returns="the text", source="return ARGV[1]"
+)
 
 
 def test_an_interrupt_between_send_and_read_leaves_no_reply_behind(
