@@ -37,7 +37,7 @@ check-in: the hand-over's lease counted from that check-in never outlasts the
 real one.
 
 Scripts are loaded once per server: callers send EVALSHA and fall back to
-SCRIPT LOAD only when the server answers NOSCRIPT (see :func:`run`). On a
+SCRIPT LOAD only when the server answers NOSCRIPT (see :func:`loading`). On a
 plain redis-py client the EVALSHA is packed here and written to a pooled
 connection directly (see :func:`_direct_pool` for when): redis-py's generic
 command path costs more than the rest of a lock cycle's own work.
@@ -47,13 +47,15 @@ from __future__ import annotations
 
 import hashlib
 import types
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from functools import lru_cache
-from typing import Any
+from typing import Any, TypeVar
 
 import redis
 from redis.exceptions import NoScriptError
+
+T = TypeVar("T")
 
 __all__ = [
     "ACQUIRE",
@@ -72,9 +74,11 @@ __all__ = [
     "WAIT_LEASE",
     "WAKE",
     "LuaScript",
+    "aloading",
     "arun",
     "arun_acknowledged",
     "lease_ms",
+    "loading",
     "required",
     "run",
     "run_acknowledged",
@@ -792,13 +796,37 @@ def lease_ms(seconds: float) -> int:
     return max(1, int(seconds * 1000))
 
 
+def loading(
+    send: Callable[[], T], load: Callable[[], object], sent: Callable[[], T] | None = None
+) -> T:
+    """Return what ``send()`` returns; if the server answers NOSCRIPT, ``load()`` and send again.
+
+    A server forgets its scripts on a restart, a failover to a replica that
+    never loaded them, or SCRIPT FLUSH: loading once more brings them back,
+    and a second NOSCRIPT is an error. ``sent`` reads the answer to an EVALSHA
+    already on its way, in place of the first ``send()``.
+    """
+    try:
+        return (sent or send)()
+    except NoScriptError:
+        load()
+        return send()
+
+
+async def aloading(send: Callable[[], Awaitable[T]], load: Callable[[], Awaitable[object]]) -> T:
+    """Async twin of :func:`loading`."""
+    try:
+        return await send()
+    except NoScriptError:
+        await load()
+        return await send()
+
+
 def run(client: Any, script: LuaScript, keys: Sequence[str], args: Sequence[Any]) -> Any:
     """Run ``script`` with EVALSHA, loading it once if the server does not know it."""
-    try:
-        return _evalsha(client, script, keys, args)
-    except NoScriptError:
-        client.script_load(script.source)
-        return _evalsha(client, script, keys, args)
+    return loading(
+        lambda: _evalsha(client, script, keys, args), lambda: client.script_load(script.source)
+    )
 
 
 def _evalsha(client: Any, script: LuaScript, keys: Sequence[str], args: Sequence[Any]) -> Any:
@@ -896,16 +924,30 @@ def _pack(script: LuaScript, keys: Sequence[str], args: Sequence[Any]) -> bytes:
 
 async def arun(client: Any, script: LuaScript, keys: Sequence[str], args: Sequence[Any]) -> Any:
     """Async twin of :func:`run`."""
-    try:
-        return await client.evalsha(script.sha, len(keys), *keys, *args)
-    except NoScriptError:
-        await client.script_load(script.source)
-        return await client.evalsha(script.sha, len(keys), *keys, *args)
+    return await aloading(
+        lambda: client.evalsha(script.sha, len(keys), *keys, *args),
+        lambda: client.script_load(script.source),
+    )
 
 
 # WAIT counts the replication offset of the calling connection's last write,
 # so it must follow the script on the same connection: the two are sent as one
 # non-transactional pipeline (one round trip, one pooled connection).
+
+
+def _send_with_wait(
+    client: Any,
+    script: LuaScript,
+    keys: Sequence[str],
+    args: Sequence[Any],
+    replicas: int,
+    timeout: float,
+) -> Any:
+    """Return the replies to the script and its WAIT (awaitable on an asyncio client)."""
+    pipe = client.pipeline(transaction=False)
+    pipe.evalsha(script.sha, len(keys), *keys, *args)
+    pipe.wait(replicas, lease_ms(timeout))
+    return pipe.execute(raise_on_error=False)
 
 
 def _acknowledged(results: list[Any]) -> tuple[Any, int]:
@@ -929,16 +971,10 @@ def run_acknowledged(
 
     Return the script's reply and how many replicas acknowledged.
     """
-    for loaded in (False, True):
-        pipe = client.pipeline(transaction=False)
-        pipe.evalsha(script.sha, len(keys), *keys, *args)
-        pipe.wait(replicas, lease_ms(timeout))
-        results = pipe.execute(raise_on_error=False)
-        if isinstance(results[0], NoScriptError) and not loaded:
-            client.script_load(script.source)
-            continue
-        break
-    return _acknowledged(results)
+    return loading(
+        lambda: _acknowledged(_send_with_wait(client, script, keys, args, replicas, timeout)),
+        lambda: client.script_load(script.source),
+    )
 
 
 async def arun_acknowledged(
@@ -950,13 +986,8 @@ async def arun_acknowledged(
     timeout: float,
 ) -> tuple[Any, int]:
     """Async twin of :func:`run_acknowledged`."""
-    for loaded in (False, True):
-        pipe = client.pipeline(transaction=False)
-        pipe.evalsha(script.sha, len(keys), *keys, *args)
-        pipe.wait(replicas, lease_ms(timeout))
-        results = await pipe.execute(raise_on_error=False)
-        if isinstance(results[0], NoScriptError) and not loaded:
-            await client.script_load(script.source)
-            continue
-        break
-    return _acknowledged(results)
+
+    async def send() -> tuple[Any, int]:
+        return _acknowledged(await _send_with_wait(client, script, keys, args, replicas, timeout))
+
+    return await aloading(send, lambda: client.script_load(script.source))
