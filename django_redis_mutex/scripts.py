@@ -797,36 +797,45 @@ def lease_ms(seconds: float) -> int:
 
 
 def loading(
-    send: Callable[[], T], load: Callable[[], object], sent: Callable[[], T] | None = None
+    send: Callable[..., T],
+    load: Callable[..., object],
+    *args: Any,
+    sent: Callable[..., T] | None = None,
 ) -> T:
-    """Return what ``send()`` returns; if the server answers NOSCRIPT, ``load()`` and send again.
+    """Return ``send(*args)``; if the server answers NOSCRIPT, ``load(*args)`` and send again.
 
     A server forgets its scripts on a restart, a failover to a replica that
     never loaded them, or SCRIPT FLUSH: loading once more brings them back,
     and a second NOSCRIPT is an error. ``sent`` reads the answer to an EVALSHA
-    already on its way, in place of the first ``send()``.
+    already on its way, in place of the first ``send``. The arguments are
+    passed through, not bound in closures: this runs on every lock call.
     """
     try:
-        return (sent or send)()
+        return (sent or send)(*args)
     except NoScriptError:
-        load()
-        return send()
+        load(*args)
+        return send(*args)
 
 
-async def aloading(send: Callable[[], Awaitable[T]], load: Callable[[], Awaitable[object]]) -> T:
+async def aloading(
+    send: Callable[..., Awaitable[T]], load: Callable[..., Awaitable[object]], *args: Any
+) -> T:
     """Async twin of :func:`loading`."""
     try:
-        return await send()
+        return await send(*args)
     except NoScriptError:
-        await load()
-        return await send()
+        await load(*args)
+        return await send(*args)
+
+
+def _load(client: Any, script: LuaScript, *_: Any) -> Any:
+    """Send SCRIPT LOAD for ``script`` (awaitable on an asyncio client)."""
+    return client.script_load(script.source)
 
 
 def run(client: Any, script: LuaScript, keys: Sequence[str], args: Sequence[Any]) -> Any:
     """Run ``script`` with EVALSHA, loading it once if the server does not know it."""
-    return loading(
-        lambda: _evalsha(client, script, keys, args), lambda: client.script_load(script.source)
-    )
+    return loading(_evalsha, _load, client, script, keys, args)
 
 
 def _evalsha(client: Any, script: LuaScript, keys: Sequence[str], args: Sequence[Any]) -> Any:
@@ -924,10 +933,11 @@ def _pack(script: LuaScript, keys: Sequence[str], args: Sequence[Any]) -> bytes:
 
 async def arun(client: Any, script: LuaScript, keys: Sequence[str], args: Sequence[Any]) -> Any:
     """Async twin of :func:`run`."""
-    return await aloading(
-        lambda: client.evalsha(script.sha, len(keys), *keys, *args),
-        lambda: client.script_load(script.source),
-    )
+    return await aloading(_send_evalsha, _load, client, script, keys, args)
+
+
+def _send_evalsha(client: Any, script: LuaScript, keys: Sequence[str], args: Sequence[Any]) -> Any:
+    return client.evalsha(script.sha, len(keys), *keys, *args)
 
 
 # WAIT counts the replication offset of the calling connection's last write,
@@ -959,6 +969,14 @@ def _acknowledged(results: list[Any]) -> tuple[Any, int]:
     return reply, int(acknowledged)
 
 
+def _run_with_wait(*call: Any) -> tuple[Any, int]:
+    return _acknowledged(_send_with_wait(*call))
+
+
+async def _arun_with_wait(*call: Any) -> tuple[Any, int]:
+    return _acknowledged(await _send_with_wait(*call))
+
+
 def run_acknowledged(
     client: Any,
     script: LuaScript,
@@ -971,10 +989,7 @@ def run_acknowledged(
 
     Return the script's reply and how many replicas acknowledged.
     """
-    return loading(
-        lambda: _acknowledged(_send_with_wait(client, script, keys, args, replicas, timeout)),
-        lambda: client.script_load(script.source),
-    )
+    return loading(_run_with_wait, _load, client, script, keys, args, replicas, timeout)
 
 
 async def arun_acknowledged(
@@ -986,8 +1001,4 @@ async def arun_acknowledged(
     timeout: float,
 ) -> tuple[Any, int]:
     """Async twin of :func:`run_acknowledged`."""
-
-    async def send() -> tuple[Any, int]:
-        return _acknowledged(await _send_with_wait(client, script, keys, args, replicas, timeout))
-
-    return await aloading(send, lambda: client.script_load(script.source))
+    return await aloading(_arun_with_wait, _load, client, script, keys, args, replicas, timeout)
