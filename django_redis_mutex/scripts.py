@@ -945,15 +945,9 @@ def _send_evalsha(client: Any, script: LuaScript, keys: Sequence[str], args: Seq
 # non-transactional pipeline (one round trip, one pooled connection).
 
 
-def _send_with_wait(
-    client: Any,
-    script: LuaScript,
-    keys: Sequence[str],
-    args: Sequence[Any],
-    replicas: int,
-    timeout: float,
-) -> Any:
-    """Return the replies to the script and its WAIT (awaitable on an asyncio client)."""
+def _send_with_wait(*call: Any) -> Any:
+    """Return the replies to a run_acknowledged() ``call`` (awaitable on an asyncio client)."""
+    client, script, keys, args, replicas, timeout = call
     pipe = client.pipeline(transaction=False)
     pipe.evalsha(script.sha, len(keys), *keys, *args)
     pipe.wait(replicas, lease_ms(timeout))
