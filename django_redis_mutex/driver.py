@@ -24,7 +24,7 @@ import time
 from collections.abc import Awaitable, Callable, Generator, Sequence
 from typing import Any, NamedTuple, TypeVar
 
-from redis.exceptions import NoScriptError, RedisError, ResponseError
+from redis.exceptions import RedisError, ResponseError
 
 from . import scripts
 from .client import (
@@ -260,6 +260,23 @@ def _ask(alias: str, op: Each, keys: tuple[str, ...]) -> Any:
     return scripts.run(get_member_client(alias, op.timeout), op.script, list(keys), op.args)
 
 
+def _answer(client: Any, connection: Any, op: Each, keys: tuple[str, ...]) -> Any:
+    """Return a master's answer to the EVALSHA sent on ``connection``.
+
+    A master that forgot the script loads it on that same connection.
+    """
+
+    def command(*args: Any) -> Any:
+        connection.send_command(*args)
+        return client.parse_response(connection, args[0])
+
+    return scripts.loading(
+        lambda: command("EVALSHA", op.script.sha, len(keys), *keys, *op.args),
+        lambda: command("SCRIPT", "LOAD", op.script.source),
+        sent=lambda: client.parse_response(connection, "EVALSHA"),
+    )
+
+
 def _each(op: Each) -> Fanned:
     """Ask every master at once: send to all, then read each answer.
 
@@ -292,16 +309,8 @@ def _each(op: Each) -> Fanned:
             continue
         in_flight.append((alias, client, connection, keys))
     for alias, client, connection, keys in in_flight:
-        pool = client.connection_pool
         try:
-            replies[alias] = client.parse_response(connection, "EVALSHA")
-        except NoScriptError:
-            pool.release(connection)
-            connection = None
-            try:
-                replies[alias] = _ask(alias, op, keys)  # loads the script, then runs it
-            except _MASTER_ERRORS as exc:
-                errors[alias] = exc
+            replies[alias] = _answer(client, connection, op, keys)
         except _MASTER_ERRORS as exc:
             errors[alias] = exc
             connection.disconnect()
@@ -309,8 +318,7 @@ def _each(op: Each) -> Fanned:
             connection.disconnect()
             raise
         finally:
-            if connection is not None:
-                pool.release(connection)
+            client.connection_pool.release(connection)
     if threaded:
         # Each request is bounded by its client's socket timeout; the margin
         # only covers a busy thread pool.

@@ -5,10 +5,11 @@ The keys of one lock and their layout are described in
 Every script is given every key it may touch, in KEYS, and touches no other:
 on a Redis Cluster whose slot is being migrated, a script whose keys are not
 all on one node is then redirected (ASK, TRYAGAIN) instead of running on part
-of the lock's state. The scripts that know the queue take, in this order::
-
-    KEYS[1] lock   KEYS[2] fence   KEYS[3] queue   KEYS[4] leases   KEYS[5] waiting
-    KEYS[6] one wake-up list (the caller's own, or the waiter it expects to wake)
+of the lock's state. Each script states what it takes and answers as data
+(see :class:`LuaScript`; :data:`SCRIPTS` lists them all): the scripts that
+know the queue take the five keys of
+:attr:`~django_redis_mutex.keys.LockKeys.script_keys`, in that order, then one
+wake-up list.
 
 Hand-off. A waiter blocks on its own list ``<lock>:wake:<token>``. A release
 hands the lock to the first live waiter inside the script, so a releasing
@@ -36,7 +37,7 @@ check-in: the hand-over's lease counted from that check-in never outlasts the
 real one.
 
 Scripts are loaded once per server: callers send EVALSHA and fall back to
-SCRIPT LOAD only when the server answers NOSCRIPT (see :func:`run`). On a
+SCRIPT LOAD only when the server answers NOSCRIPT (see :func:`loading`). On a
 plain redis-py client the EVALSHA is packed here and written to a pooled
 connection directly (see :func:`_direct_pool` for when): redis-py's generic
 command path costs more than the rest of a lock cycle's own work.
@@ -46,13 +47,15 @@ from __future__ import annotations
 
 import hashlib
 import types
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from functools import lru_cache
-from typing import Any
+from typing import Any, TypeVar
 
 import redis
 from redis.exceptions import NoScriptError
+
+T = TypeVar("T")
 
 __all__ = [
     "ACQUIRE",
@@ -61,15 +64,22 @@ __all__ = [
     "EXTEND",
     "FENCE_RETENTION",
     "HANDOFF_LEASE",
+    "HELD_ALONE",
+    "MARK_TRANSACTION",
     "RAISE_FENCE",
+    "READ_STATE",
     "RELEASE",
     "RESET",
+    "SCRIPTS",
     "WAIT_LEASE",
     "WAKE",
     "LuaScript",
+    "aloading",
     "arun",
     "arun_acknowledged",
     "lease_ms",
+    "loading",
+    "required",
     "run",
     "run_acknowledged",
 ]
@@ -226,10 +236,11 @@ end
 -- Give the lock to waiter head (first in line, alive) with the hand-off lease:
 -- an exclusive waiter only when the lock is free; a shared one (with the
 -- shared waiters right behind it, as many as LIMIT leaves room for beside the
--- live shared holders) when no exclusive holder has it. Wake the waiter whose
--- list is KEYS[6] (expected is its token) here; return false when nobody was
--- admitted, true when nobody else needs waking, else the other granted
--- tokens, space-separated, for the caller to send WAKE; and how many got in.
+-- live shared holders) when no exclusive holder has it. Wake the expected
+-- waiter here ({its token, its wake-up list}: a list among the caller's KEYS,
+-- or nil); return false when nobody was admitted, true when nobody else needs
+-- waking, else the other granted tokens, space-separated, for the caller to
+-- send WAKE; and how many got in.
 local function hand_to(head, expected, live)
   local granted = {}
   if is_shared(head) then
@@ -250,9 +261,9 @@ local function hand_to(head, expected, live)
   if after then redis.call('HSET', KEYS[1], 'queued', '1') end
   local others = {}
   for _, entry in ipairs(granted) do
-    if entry[1] == expected then
-      redis.call('RPUSH', KEYS[6], entry[2] .. '|' .. (after or ''))
-      redis.call('PEXPIRE', KEYS[6], WAIT_LEASE)
+    if expected and entry[1] == expected[1] then
+      redis.call('RPUSH', expected[2], entry[2] .. '|' .. (after or ''))
+      redis.call('PEXPIRE', expected[2], WAIT_LEASE)
     else
       others[#others + 1] = entry[1]
     end
@@ -275,9 +286,18 @@ end
 
 @dataclass(frozen=True)
 class LuaScript:
-    """A Lua source and its SHA1, computed once at import."""
+    """A Lua source, its SHA1 (computed once at import) and its contract.
+
+    The contract is what a caller passes and gets back: ``keys`` and ``argv``
+    name KEYS[1], KEYS[2]... and ARGV[1]... in order, the optional ones (only
+    ever trailing) in brackets; ``returns`` says what the reply means.
+    """
 
     name: str
+    summary: str
+    keys: tuple[str, ...]
+    argv: tuple[str, ...]
+    returns: str
     source: str
     sha: str = field(init=False)
     # "EVALSHA <sha>" in the Redis protocol, the start of every call.
@@ -287,6 +307,11 @@ class LuaScript:
         sha = hashlib.sha1(self.source.encode()).hexdigest()
         object.__setattr__(self, "sha", sha)
         object.__setattr__(self, "packed_head", b"$7\r\nEVALSHA\r\n$40\r\n%s\r\n" % sha.encode())
+
+
+def required(names: tuple[str, ...]) -> int:
+    """Return how many of a contract's KEYS or ARGV ``names`` a caller must pass."""
+    return sum(1 for name in names if not name.startswith("["))
 
 
 # The end of ACQUIRE and ACQUIRE_SHARED for a caller that did not get the lock:
@@ -314,19 +339,20 @@ return {0, pttl or redis.call('PTTL', KEYS[1]), redis.call('HGET', KEYS[1], 'own
 """
 
 
-# ACQUIRE
-# KEYS[1..5] lock, fence, queue, leases, waiting; KEYS[6] the caller's wake-up list.
-# ARGV[1] token, ARGV[2] ttl ms, ARGV[3] owner JSON, ARGV[4] 1 to join the queue
-# when contended (blocking) or 0 (try once).
-# Returns the fence (a string, not a table: cheaper) when the caller now holds
-# the lock with its ttl and nobody waits; {1, fence, pttl ms, successor} when
-# it holds it with pttl ms left (-1: its ttl), successor being the token first
-# in line behind it or ''; else {0, pttl ms of the holder, holder owner JSON,
-# token}: token is '' or a waiter the script just handed the expired lock to,
-# which the caller must WAKE.
+# The keys every script that knows the queue takes first (LockKeys.script_keys).
+_LOCK_KEYS = ("lock", "fence", "queue", "leases", "waiting")
+
+# The uncontended answer is the bare fence: a string, not a table, is cheaper.
 ACQUIRE = LuaScript(
     "acquire",
-    _CONSTANTS
+    summary="Take the lock, or (blocking) a place in line.",
+    keys=(*_LOCK_KEYS, "wake: the caller's wake-up list"),
+    argv=("token", "ttl ms", "owner JSON", "join: 1 to wait in line when refused, 0 to try once"),
+    returns="the fence when the caller now holds the lock for its ttl and nobody waits;"
+    " {1, fence, pttl ms (-1: its ttl), token first in line behind it or ''} when it holds"
+    " it; else {0, pttl ms of the holder, holder's owner JSON, '' or the token of a waiter"
+    " just handed the expired lock, to WAKE}",
+    source=_CONSTANTS
     + _CLOCK
     + _GRANT
     + r"""
@@ -368,18 +394,19 @@ local pttl = nil
 )
 
 
-# ACQUIRE_SHARED: ACQUIRE for a shared holder (its token starts with 's'), or
-# for a permit of a semaphore. Same KEYS, ARGV and answers, plus ARGV[5]: the
-# semaphore's limit (how many may hold at once), or 0 for a shared lock; and a
-# {1, ...} answer may carry a fifth item: shared waiters admitted with the
-# caller, for it to WAKE. A shared holder gets in whenever no exclusive holder
-# has the lock, no exclusive waiter is ahead of it in line (a writer that
-# waits blocks new readers, so a stream of readers never starves it), and the
-# limit leaves room. A refused semaphore caller is told the ms until the first
-# holder's lease ends (the first permit that may come free), not the last.
+# A shared holder gets in whenever no exclusive holder has the lock, no
+# exclusive waiter is ahead of it in line (a writer that waits blocks new
+# readers, so a stream of readers never starves it), and the limit leaves room.
+# A refused semaphore caller is told the ms until the first holder's lease ends
+# (the first permit that may come free), not the last.
 ACQUIRE_SHARED = LuaScript(
     "acquire_shared",
-    _CONSTANTS
+    summary="ACQUIRE for a shared holder (its token starts with 's') or a semaphore's permit.",
+    keys=ACQUIRE.keys,
+    argv=(*ACQUIRE.argv, "[limit: how many may hold at once, 0 for a shared lock]"),
+    returns="as ACQUIRE's, and a {1, ...} answer may carry a fifth item: the shared waiters"
+    " admitted with the caller, space-separated, for it to WAKE",
+    source=_CONSTANTS
     + _CLOCK
     + _GRANT
     + r"""
@@ -446,19 +473,18 @@ end
     + _JOIN_LINE,
 )
 
-# RELEASE
-# KEYS[1..5] lock, fence, queue, leases, waiting; KEYS[6] (optional) the wake-up
-# list of the waiter the holder expects to be next.
-# ARGV[1] token, ARGV[2] (with KEYS[6]) that waiter's token.
-# Returns 0 when the caller did not hold the lock (nothing is touched),
-# 1 when released with nobody to hand it to, 2 when handed to the expected
-# waiter and woken, else the token(s) of the waiter(s) it was handed to,
-# space-separated, which the caller must WAKE. A shared holder's release
-# hands the lock on when it was the last (to an exclusive waiter), or when a
-# shared waiter is first in line (a semaphore's permit come free).
+# A shared holder's release hands the lock on when it was the last (to an
+# exclusive waiter), or when a shared waiter is first in line (a semaphore's
+# permit come free).
 RELEASE = LuaScript(
     "release",
-    r"""
+    summary="Give the lock (or a shared hold) back, handing it to the first live waiter.",
+    keys=(*_LOCK_KEYS, "[wake: the wake-up list of the waiter the holder expects next]"),
+    argv=("token", "[successor: that waiter's token, with its wake-up list]"),
+    returns="0 when the caller did not hold the lock (nothing is touched), 1 when released"
+    " with nobody to hand it to, 2 when handed to the expected waiter and woken, else the"
+    " token(s) of the waiter(s) it was handed to, space-separated, to WAKE",
+    source=r"""
 local found = redis.call('HMGET', KEYS[1], 'token', 'queued', 'limit')
 local shared = nil
 if found[1] ~= ARGV[1] then
@@ -488,20 +514,21 @@ if shared then
   if ended then return 0 end
   if not found[2] then return 1 end
 end
-local handed = hand_off(ARGV[2], live)
+local handed = hand_off(ARGV[2] and {ARGV[2], KEYS[6]}, live)
 if handed == false then return 1 end
 if handed == true then return 2 end
 return handed
 """,
 )
 
-# EXTEND
-# KEYS[1] lock.  ARGV[1] token, ARGV[2] new ttl ms.
-# Returns 1 when the lease was set to ttl from now, 0 when the caller does not
-# hold the lock (it is never re-created: a renewal must not resurrect a lock).
+# A lock that is gone is never re-created: a renewal must not resurrect it.
 EXTEND = LuaScript(
     "extend",
-    r"""
+    summary="Set the caller's lease to ttl from now.",
+    keys=("lock",),
+    argv=("token", "ttl ms"),
+    returns="1 when renewed, 0 when the caller does not hold the lock",
+    source=r"""
 if redis.call('HGET', KEYS[1], 'token') == ARGV[1] then
   redis.call('PEXPIRE', KEYS[1], ARGV[2])
   return 1
@@ -525,17 +552,17 @@ return 1
 """,
 )
 
-# CANCEL: a waiter gives up (timeout, interrupt, cancellation).
-# KEYS[1..5] lock, fence, queue, leases, waiting; KEYS[6] the caller's wake-up list.
-# ARGV[1] token, ARGV[2] (a semaphore's) the limit, as for ACQUIRE_SHARED.
-# Returns {1, fence, pttl ms, successor} when the lock had already been handed
-# to the caller (it now holds it and must use or release it), else {0} or
-# {0, token}: if the lock is free (or has room) and others wait, the first is
-# handed the lock so nobody sleeps on a free lock, and its token(s) returned
-# for the caller to WAKE.
+# A lock left free (or with room) while others wait is handed to the first of
+# them, so nobody sleeps on a free lock.
 CANCEL = LuaScript(
     "cancel",
-    _CONSTANTS
+    summary="Leave the line: the waiter gives up (timeout, interrupt, cancellation).",
+    keys=ACQUIRE.keys,
+    argv=("token", "[limit: a semaphore's, as for ACQUIRE_SHARED]"),
+    returns="{1, fence, pttl ms, token first in line behind it or ''} when the lock had"
+    " already been handed to the caller (it now holds it and must use or release it), else"
+    " {0}, or {0, token(s)} of the waiter(s) handed the lock, to WAKE",
+    source=_CONSTANTS
     + _CLOCK
     + _GRANT
     + _QUEUE
@@ -565,15 +592,16 @@ return {0}
 """,
 )
 
-# RESET: force release whoever holds the lock, or every permit of a semaphore
-# (operator action).
-# KEYS[1..5] lock, fence, queue, leases, waiting.  No ARGV.
-# Returns {holders, woken}: how many held it (an exclusive holder, or each
-# shared holder or permit whose lease had not ended), and '' or the token(s)
-# of the waiter(s) handed the lock as on a release, which the caller must WAKE.
+# An operator's action: the waiters keep their places, and the first is handed
+# the lock as on a release.
 RESET = LuaScript(
     "reset",
-    r"""
+    summary="Force release whoever holds the lock, or every permit of a semaphore.",
+    keys=_LOCK_KEYS,
+    argv=(),
+    returns="{how many held it (an exclusive holder, or each shared holder or permit whose"
+    " lease had not ended), '' or the token(s) of the waiter(s) handed the lock, to WAKE}",
+    source=r"""
 if redis.call('EXISTS', KEYS[1]) == 0 then return {0, ''} end
 local fields = redis.call('HGETALL', KEYS[1])
 redis.call('DEL', KEYS[1])
@@ -602,14 +630,16 @@ return {holders, woken}
 )
 
 
-# WAKE: push the wake-up of a waiter a script handed the lock to but could not
-# wake (its list was not among that script's KEYS). Pushed only while the lock
-# is still the waiter's, so a late WAKE never announces a lock it lost since.
-# KEYS[1] lock, KEYS[2] queue, KEYS[3] the waiter's wake-up list.  ARGV[1] its token.
-# Returns 1 when pushed, 0 when the lock is no longer that waiter's.
+# Pushed only while the lock is still the waiter's, so a late WAKE never
+# announces a lock it lost since.
 WAKE = LuaScript(
     "wake",
-    f"local WAIT_LEASE = {int(WAIT_LEASE * 1000)}\n"
+    summary="Wake a waiter a script handed the lock to but could not wake"
+    " (its list was not among that script's KEYS).",
+    keys=("lock", "queue", "wake: the waiter's wake-up list"),
+    argv=("token: the waiter's",),
+    returns="1 when pushed, 0 when the lock is no longer that waiter's",
+    source=f"local WAIT_LEASE = {int(WAIT_LEASE * 1000)}\n"
     + r"""
 local found = redis.call('HMGET', KEYS[1], 'token', 'fence', 'r:' .. ARGV[1])
 local fence = found[2]
@@ -627,15 +657,16 @@ return 1
 )
 
 
-# MARK_TRANSACTION: record in the holder's owner record that its block has
-# ended and the lock is kept until its database transaction ends, so that
-# listings on any host can say so. A hand-over writes the next holder's own
-# record, which drops the mark.
-# KEYS[1] lock.  ARGV[1] token, ARGV[2] the owner JSON with the mark.
-# Returns 1 when written, 0 when the caller no longer holds the lock.
+# In the owner record, so that listings on any host can say so. A hand-over
+# writes the next holder's own record, which drops the mark.
 MARK_TRANSACTION = LuaScript(
     "mark_transaction",
-    r"""
+    summary="Record in the holder's owner record that its block has ended and the lock"
+    " is kept until its database transaction ends.",
+    keys=("lock",),
+    argv=("token", "owner JSON: with the mark"),
+    returns="1 when written, 0 when the caller no longer holds the lock",
+    source=r"""
 if string.sub(ARGV[1], 1, 1) ~= 's' then
   if redis.call('HGET', KEYS[1], 'token') ~= ARGV[1] then return 0 end
   redis.call('HSET', KEYS[1], 'owner', ARGV[2])
@@ -654,14 +685,16 @@ return 1
 )
 
 
-# HELD_ALONE: does a lock taken on this Redis alone (not a quorum's, whose
-# tokens start with 'q', or 'sq' held shared) hold the lock here? Asked by a
-# quorum acquisition that a master refused: a name means one lock, whether it
-# is taken on one member or on the quorum.
-# KEYS[1] lock.  Returns 1 if such a lock holds it (exclusive or shared), else 0.
+# Asked by a quorum acquisition that a master refused: a name means one lock,
+# whether it is taken on one member or on the quorum.
 HELD_ALONE = LuaScript(
     "held_alone",
-    r"""
+    summary="Tell whether a lock taken on this Redis alone (not a quorum's, whose tokens"
+    " start with 'q', or 'sq' held shared) holds the lock here.",
+    keys=("lock",),
+    argv=(),
+    returns="1 if such a lock holds it (exclusive or shared), else 0",
+    source=r"""
 local token = redis.call('HGET', KEYS[1], 'token')
 if token then
   if string.sub(token, 1, 1) == 'q' then return 0 end
@@ -682,17 +715,18 @@ return 0
 )
 
 
-# READ_STATE: who holds the lock on this Redis and for how long, read at one
-# instant, changing nothing. A script rather than plain commands so that a
-# quorum asks every master with it at once, each within its own deadline, as
-# it does with its other scripts.
-# KEYS[1] lock.  ARGV[1] the caller's token, or ''.
-# Returns {exclusive holder's token or '', pttl ms of the lock (-2: no lock),
-# its owner JSON or '', ms left of ARGV[1]'s hold here (0: none), the live
-# shared holders' tokens, their owner JSONs}.
+# A script rather than plain commands so that a quorum asks every master with
+# it at once, each within its own deadline, as it does with its other scripts.
 READ_STATE = LuaScript(
     "read_state",
-    r"""
+    summary="Read who holds the lock on this Redis and for how long, at one instant,"
+    " changing nothing.",
+    keys=("lock",),
+    argv=("token: the caller's, or ''",),
+    returns="{exclusive holder's token or '', pttl ms of the lock (-2: no lock), its owner"
+    " JSON or '', ms left of the token's hold here (0: none), the live shared holders'"
+    " tokens, their owner JSONs}",
+    source=r"""
 local token = redis.call('HGET', KEYS[1], 'token')
 local pttl = redis.call('PTTL', KEYS[1])
 if token then
@@ -724,13 +758,15 @@ return {'', pttl, '', mine, tokens, owners}
 )
 
 
-# RAISE_FENCE: after a quorum acquisition, make every master's counter at least
-# the fence handed out, so the next majority (which overlaps this one) counts on
-# from above it.
-# KEYS[1] fence counter.  ARGV[1] the fence.  Returns 1 if the counter moved.
+# Sent to every master after a quorum acquisition, so the next majority (which
+# overlaps this one) counts on from above the fence handed out.
 RAISE_FENCE = LuaScript(
     "raise_fence",
-    f"local FENCE_RETENTION = {int(FENCE_RETENTION * 1000)}\n"
+    summary="Raise the fence counter to at least a fence.",
+    keys=("fence",),
+    argv=("fence: the one handed out",),
+    returns="1 if the counter moved, else 0",
+    source=f"local FENCE_RETENTION = {int(FENCE_RETENTION * 1000)}\n"
     + r"""
 local current = tonumber(redis.call('GET', KEYS[1]) or '0')
 if current >= tonumber(ARGV[1]) then return 0 end
@@ -739,19 +775,67 @@ return 1
 """,
 )
 
+# Every script the locks run, for what reads their contracts (the docs, the tests).
+SCRIPTS = (
+    ACQUIRE,
+    ACQUIRE_SHARED,
+    RELEASE,
+    EXTEND,
+    CANCEL,
+    RESET,
+    WAKE,
+    MARK_TRANSACTION,
+    HELD_ALONE,
+    READ_STATE,
+    RAISE_FENCE,
+)
+
 
 def lease_ms(seconds: float) -> int:
     """Return a lease in whole milliseconds for a script argument (at least 1)."""
     return max(1, int(seconds * 1000))
 
 
+def loading(
+    send: Callable[..., T],
+    load: Callable[..., object],
+    *args: Any,
+    sent: Callable[..., T] | None = None,
+) -> T:
+    """Return ``send(*args)``; if the server answers NOSCRIPT, ``load(*args)`` and send again.
+
+    A server forgets its scripts on a restart, a failover to a replica that
+    never loaded them, or SCRIPT FLUSH: loading once more brings them back,
+    and a second NOSCRIPT is an error. ``sent`` reads the answer to an EVALSHA
+    already on its way, in place of the first ``send``. The arguments are
+    passed through, not bound in closures: this runs on every lock call.
+    """
+    try:
+        return (sent or send)(*args)
+    except NoScriptError:
+        load(*args)
+        return send(*args)
+
+
+async def aloading(
+    send: Callable[..., Awaitable[T]], load: Callable[..., Awaitable[object]], *args: Any
+) -> T:
+    """Async twin of :func:`loading`."""
+    try:
+        return await send(*args)
+    except NoScriptError:
+        await load(*args)
+        return await send(*args)
+
+
+def _load(client: Any, script: LuaScript, *_: Any) -> Any:
+    """Send SCRIPT LOAD for ``script`` (awaitable on an asyncio client)."""
+    return client.script_load(script.source)
+
+
 def run(client: Any, script: LuaScript, keys: Sequence[str], args: Sequence[Any]) -> Any:
     """Run ``script`` with EVALSHA, loading it once if the server does not know it."""
-    try:
-        return _evalsha(client, script, keys, args)
-    except NoScriptError:
-        client.script_load(script.source)
-        return _evalsha(client, script, keys, args)
+    return loading(_evalsha, _load, client, script, keys, args)
 
 
 def _evalsha(client: Any, script: LuaScript, keys: Sequence[str], args: Sequence[Any]) -> Any:
@@ -849,16 +933,25 @@ def _pack(script: LuaScript, keys: Sequence[str], args: Sequence[Any]) -> bytes:
 
 async def arun(client: Any, script: LuaScript, keys: Sequence[str], args: Sequence[Any]) -> Any:
     """Async twin of :func:`run`."""
-    try:
-        return await client.evalsha(script.sha, len(keys), *keys, *args)
-    except NoScriptError:
-        await client.script_load(script.source)
-        return await client.evalsha(script.sha, len(keys), *keys, *args)
+    return await aloading(_send_evalsha, _load, client, script, keys, args)
+
+
+def _send_evalsha(client: Any, script: LuaScript, keys: Sequence[str], args: Sequence[Any]) -> Any:
+    return client.evalsha(script.sha, len(keys), *keys, *args)
 
 
 # WAIT counts the replication offset of the calling connection's last write,
 # so it must follow the script on the same connection: the two are sent as one
 # non-transactional pipeline (one round trip, one pooled connection).
+
+
+def _send_with_wait(*call: Any) -> Any:
+    """Return the replies to a run_acknowledged() ``call`` (awaitable on an asyncio client)."""
+    client, script, keys, args, replicas, timeout = call
+    pipe = client.pipeline(transaction=False)
+    pipe.evalsha(script.sha, len(keys), *keys, *args)
+    pipe.wait(replicas, lease_ms(timeout))
+    return pipe.execute(raise_on_error=False)
 
 
 def _acknowledged(results: list[Any]) -> tuple[Any, int]:
@@ -868,6 +961,14 @@ def _acknowledged(results: list[Any]) -> tuple[Any, int]:
     if isinstance(acknowledged, Exception):
         raise acknowledged
     return reply, int(acknowledged)
+
+
+def _run_with_wait(*call: Any) -> tuple[Any, int]:
+    return _acknowledged(_send_with_wait(*call))
+
+
+async def _arun_with_wait(*call: Any) -> tuple[Any, int]:
+    return _acknowledged(await _send_with_wait(*call))
 
 
 def run_acknowledged(
@@ -882,16 +983,7 @@ def run_acknowledged(
 
     Return the script's reply and how many replicas acknowledged.
     """
-    for loaded in (False, True):
-        pipe = client.pipeline(transaction=False)
-        pipe.evalsha(script.sha, len(keys), *keys, *args)
-        pipe.wait(replicas, lease_ms(timeout))
-        results = pipe.execute(raise_on_error=False)
-        if isinstance(results[0], NoScriptError) and not loaded:
-            client.script_load(script.source)
-            continue
-        break
-    return _acknowledged(results)
+    return loading(_run_with_wait, _load, client, script, keys, args, replicas, timeout)
 
 
 async def arun_acknowledged(
@@ -903,13 +995,4 @@ async def arun_acknowledged(
     timeout: float,
 ) -> tuple[Any, int]:
     """Async twin of :func:`run_acknowledged`."""
-    for loaded in (False, True):
-        pipe = client.pipeline(transaction=False)
-        pipe.evalsha(script.sha, len(keys), *keys, *args)
-        pipe.wait(replicas, lease_ms(timeout))
-        results = await pipe.execute(raise_on_error=False)
-        if isinstance(results[0], NoScriptError) and not loaded:
-            await client.script_load(script.source)
-            continue
-        break
-    return _acknowledged(results)
+    return await aloading(_arun_with_wait, _load, client, script, keys, args, replicas, timeout)

@@ -342,21 +342,24 @@ def _extend_all(client: Any, entries: list[tuple[Renewable, str, float]]) -> lis
         # A cluster client refuses scripts in pipelines; each renewal goes
         # to the node owning that key's slot.
         return [_run_one(client, script, keys, args) for script, keys, args in calls]
-    for attempt in (1, 2):
+
+    def renew() -> list[Any]:
         pipe = client.pipeline(transaction=False)
         for script, keys, args in calls:
             pipe.evalsha(script.sha, len(keys), *keys, *args)
         results = list(pipe.execute(raise_on_error=False))
-        unknown = any(isinstance(result, NoScriptError) for result in results)
-        if not unknown:
-            return results
-        if attempt == 2:
-            break
-        # A restarted Redis forgot the scripts: load them and renew the round
-        # again (renewing twice is harmless).
+        for result in results:
+            if isinstance(result, NoScriptError):
+                # The server forgot the scripts: the whole round goes again
+                # once they are loaded (renewing twice is harmless).
+                raise result
+        return results
+
+    def load() -> None:
         for script in {script.sha: script for script, _, _ in calls}.values():
             client.script_load(script.source)
-    return results
+
+    return scripts.loading(renew, load)
 
 
 def _run_one(

@@ -32,6 +32,7 @@ extensions = [
     "sphinx.ext.autodoc",
     "viewcode_backlinks",  # sphinx.ext.viewcode, "[docs]" links to each object's anchor
     "benchmark_tables",
+    "lua_scripts",  # .. lua-scripts::, from the scripts' contracts
 ]
 exclude_patterns = ["_build", "_ext"]
 autodoc_member_order = "bysource"

@@ -58,11 +58,7 @@ from .topologies import cluster_entry, extra_caches
 
 SEED = int(os.environ.get("DECLARED_KEYS_SEED") or random.randrange(2**32))
 QUORUM = ["q1", "q2", "q3"]
-SCRIPT_NAMES = {
-    script.sha: script.name
-    for script in vars(lock_scripts).values()
-    if isinstance(script, lock_scripts.LuaScript)
-}
+SCRIPT_NAMES = {script.sha: script.name for script in lock_scripts.SCRIPTS}
 _STOP = b"declared-keys-monitor-stop"
 
 

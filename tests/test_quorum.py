@@ -9,6 +9,7 @@ import threading
 from collections.abc import Iterator
 
 import pytest
+import redis
 from django.conf import settings
 from django.db import transaction
 from django.test import override_settings
@@ -168,6 +169,37 @@ def test_async_quorum_lock(quorum_caches):
 
     fence, other = asyncio.run(main())
     assert fence > 0 and other is False
+
+
+def forget_scripts(masters: list[RedisServer]) -> None:
+    """Empty every master's script cache, as a restart or a failover does."""
+    for server in masters:
+        with redis.Redis.from_url(server.url) as client:
+            client.script_flush()
+
+
+def test_masters_that_forgot_the_scripts_load_them_again(quorum_caches):
+    lock = Mutex("forgotten", using=ALIASES)
+    forget_scripts(quorum_caches)
+    assert lock.acquire()
+    assert [h.name for alias in ALIASES for h in held_locks(using=alias)] == ["forgotten"] * 3
+    forget_scripts(quorum_caches)
+    lock.release()
+    assert all(not held_locks(using=alias) for alias in ALIASES)
+
+
+def test_masters_that_forgot_the_scripts_load_them_again_async(quorum_caches):
+    async def main() -> list[str]:
+        lock = Mutex("forgotten-async", using=ALIASES)
+        forget_scripts(quorum_caches)
+        assert await lock.aacquire()
+        held = [h.name for alias in ALIASES for h in held_locks(using=alias)]
+        forget_scripts(quorum_caches)
+        await lock.arelease()
+        return held
+
+    assert asyncio.run(main()) == ["forgotten-async"] * 3
+    assert all(not held_locks(using=alias) for alias in ALIASES)
 
 
 def test_bad_alias_lists_are_rejected(quorum_caches):

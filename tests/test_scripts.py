@@ -20,6 +20,8 @@ from hypothesis import strategies as st
 from django_redis_mutex import Mutex, mutex, scripts
 from django_redis_mutex.client import get_client
 
+from .helpers import forget_scripts_but
+
 
 def test_a_lock_loads_its_scripts_again_after_script_flush(raw: redis.Redis) -> None:
     with mutex("flushed"):
@@ -40,6 +42,37 @@ def test_an_async_lock_loads_its_scripts_again_after_script_flush(raw: redis.Red
 
     asyncio.run(main())
     assert not Mutex("flushed-async").locked()
+
+
+def forget_extend(client: redis.Redis) -> None:
+    forget_scripts_but(client, *(s for s in scripts.SCRIPTS if s is not scripts.EXTEND))
+
+
+def test_an_acknowledged_script_is_loaded_again_when_the_server_forgot_it(raw: redis.Redis) -> None:
+    forget_extend(raw)
+
+    reply = scripts.run_acknowledged(raw, scripts.EXTEND, ["drm-test:{x}"], ["t", 100], 0, 0.1)
+
+    assert reply == (0, 0)
+    assert raw.script_exists(scripts.EXTEND.sha) == [True]
+
+
+def test_an_async_acknowledged_script_is_loaded_again_when_the_server_forgot_it(
+    raw: redis.Redis, redis_url: str
+) -> None:
+    async def main() -> tuple[object, int]:
+        client = redis.asyncio.Redis.from_url(redis_url)
+        try:
+            return await scripts.arun_acknowledged(
+                client, scripts.EXTEND, ["drm-test:{x}"], ["t", 100], 0, 0.1
+            )
+        finally:
+            await client.aclose()
+
+    forget_extend(raw)
+
+    assert asyncio.run(main()) == (0, 0)
+    assert raw.script_exists(scripts.EXTEND.sha) == [True]
 
 
 keys = st.lists(st.text(min_size=1, max_size=40), min_size=0, max_size=7)
@@ -113,12 +146,18 @@ def test_a_client_that_retries_takes_one_connection_per_script(redis_url: str) -
 # Busy for 100 ms, so its reply is not there yet when the next command is sent.
 _SLOW = scripts.LuaScript(
     "slow",
-    "local t = redis.call('TIME'); local e = t[1] * 1000000 + t[2] + 100000\n"
+    summary="Keep the server busy for 100 ms.",
+    keys=(),
+    argv=(),
+    returns="'slow'",
+    source="local t = redis.call('TIME'); local e = t[1] * 1000000 + t[2] + 100000\n"
     "while true do local n = redis.call('TIME')\n"
     "  if n[1] * 1000000 + n[2] > e then break end end\n"
     "return 'slow'",
 )
-_ECHO = scripts.LuaScript("echo", "return ARGV[1]")
+_ECHO = scripts.LuaScript(
+    "echo", summary="Echo.", keys=(), argv=("text",), returns="the text", source="return ARGV[1]"
+)
 
 
 def test_an_interrupt_between_send_and_read_leaves_no_reply_behind(

@@ -20,6 +20,7 @@ from django_redis_mutex import (
     Mutex,
     mutex,
     reset,
+    scripts,
     signals,
 )
 from django_redis_mutex.watchdog import get_watchdog
@@ -140,3 +141,12 @@ def test_one_renewal_failing_in_a_round_does_not_cost_the_other_holds_their_rene
         get_watchdog().unwatch(holds[0])
         survivor.release()
         raw.delete(victim.keys.lock)
+
+
+def test_renewal_loads_the_scripts_again_when_the_server_forgot_them(raw):
+    with mutex("forgetful", ttl=0.6) as lock:
+        raw.script_flush()  # as a restart or a failover does
+        time.sleep(1.5)  # past two leases: only renewal keeps it
+        assert lock.owned()
+        assert not lock.lost
+    assert raw.script_exists(scripts.EXTEND.sha) == [True]
