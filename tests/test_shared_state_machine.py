@@ -552,36 +552,20 @@ MODEL_SETTINGS = settings(
 
 
 @pytest.mark.timeout(900)
-def test_shared_and_exclusive_owners_follow_the_model(redis_url: str, mutex_prefix: str) -> None:
-    """Random interleavings of every script by shared and exclusive owners of one lock."""
+@pytest.mark.parametrize("as_semaphore", [False, True], ids=["shared-lock", "semaphore"])
+def test_owners_follow_the_model(redis_url: str, mutex_prefix: str, as_semaphore: bool) -> None:
+    """Random interleavings of every script by the owners of one lock, or a semaphore's."""
     client = redis.Redis.from_url(redis_url, decode_responses=True)
 
-    class SharedLockModelOnTestRedis(SharedLockModel):
+    class ModelOnTestRedis(SharedLockModel):
         """The machine bound to this test's Redis."""
+
+        semaphore = as_semaphore
 
         def __init__(self) -> None:
             super().__init__(client, f"tests:{mutex_prefix}:sm")
 
     try:
-        run_state_machine_as_test(SharedLockModelOnTestRedis, settings=MODEL_SETTINGS)
-    finally:
-        client.close()
-
-
-@pytest.mark.timeout(900)
-def test_semaphore_holders_follow_the_model(redis_url: str, mutex_prefix: str) -> None:
-    """The same interleavings by the permits of a semaphore of limit one to three."""
-    client = redis.Redis.from_url(redis_url, decode_responses=True)
-
-    class SemaphoreModelOnTestRedis(SharedLockModel):
-        """The machine as a semaphore, bound to this test's Redis."""
-
-        semaphore = True
-
-        def __init__(self) -> None:
-            super().__init__(client, f"tests:{mutex_prefix}:sem")
-
-    try:
-        run_state_machine_as_test(SemaphoreModelOnTestRedis, settings=MODEL_SETTINGS)
+        run_state_machine_as_test(ModelOnTestRedis, settings=MODEL_SETTINGS)
     finally:
         client.close()
