@@ -636,12 +636,27 @@ def clear_clients() -> None:
     global _generation
     with _lock:
         _generation += 1
+        _close_idle([*_sync_clients.values(), *_derived_clients.values()])
         _sync_clients.clear()
         _derived_clients.clear()
         _namespaces.clear()
         _async_clients.clear()
         _unvetted.clear()
         eviction.forget()
+
+
+def _close_idle(clients: list[Any]) -> None:
+    """Close the idle connections of clients being forgotten.
+
+    A pool dropped with its sockets open warns (ResourceWarning) whenever it
+    is collected; a connection in use is left to finish its command.
+    """
+    import redis as redis_module
+
+    for client in clients:
+        pool = getattr(client, "connection_pool", None)
+        if isinstance(pool, redis_module.ConnectionPool):
+            pool.disconnect(inuse_connections=False)
 
 
 @receiver(setting_changed)

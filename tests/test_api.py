@@ -892,3 +892,22 @@ def test_fence_keeps_growing_after_its_counter_expired(raw):
     raw.delete(fence_key)  # as if unused past the counter's retention
     with mutex("fenced") as lock:
         assert lock.fence > first
+
+
+def test_clients_forgotten_when_caches_change_leave_no_open_socket_behind():
+    # A pool dropped with its sockets open warns (ResourceWarning) whenever it
+    # is collected, which the suite turns into a failure of whatever test runs
+    # then: the idle connections of forgotten clients are closed at once.
+    from django_redis_mutex.client import clear_clients, get_blocking_client, get_client
+
+    plain, blocking = get_client("default"), get_blocking_client("default", 1.0)
+    assert plain.ping() and blocking.ping()
+    pools = [plain.connection_pool, blocking.connection_pool]
+    assert all(pool._available_connections for pool in pools)
+    clear_clients()
+    assert [
+        connection._sock
+        for pool in pools
+        for connection in pool._available_connections
+        if connection._sock is not None
+    ] == []

@@ -238,7 +238,11 @@ def test_fail_open_leaving_a_block_whose_redis_died_logs_for_every_kind(caplog, 
         dedicated(FAIL_OPEN=True) as server,
         caplog.at_level(logging.ERROR, "django_redis_mutex"),
     ):
-        guard = mutex("exports", watchdog=False) if kind == "lock" else semaphore("exports", 2)
+        guard = (
+            mutex("exports", watchdog=False)
+            if kind == "lock"
+            else semaphore("exports", 2, watchdog=False)
+        )
         with guard as held:
             server.kill()
     assert held.token is not None  # kept for a retry; the lease ends by itself
