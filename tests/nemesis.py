@@ -9,7 +9,7 @@ worker processes (each running threads *and* asyncio tasks) contend for a
 handful of locks through every public way of taking one (some bodies of a
 ``with``, ``async with``, ``acquire()``, decorated call or nested block take
 their lock shared, and nested levels join a shared or an exclusive hold
-shared, on every lock but a quorum's, which cannot be shared), some bodies
+shared, on every lock, a quorum's too), some bodies
 take a permit of a semaphore (limit SEMAPHORE_LIMIT) instead, some tasks are
 cancelled at a random point of theirs, every critical section ("body") is
 journalled with whether it was shared, and :func:`check` then asks of the
@@ -3108,7 +3108,7 @@ def _owner() -> str:
 
 
 # The share of with, async with, acquire() and decorated bodies that take their
-# lock shared (on every lock but a quorum's).
+# lock shared, on every topology.
 SHARED_SHARE = 0.35
 
 SYNC_KINDS = {
@@ -3320,15 +3320,15 @@ class _Worker:
         spec = rng.choices(specs, weights=[s.weight for s in specs])[0]
         return spec, _using(rng.choice(spec.usings))
 
-    def share(self, rng: random.Random, spec: LockSpec) -> bool:
-        """Whether to take ``spec`` shared this time (a quorum lock cannot be shared)."""
-        return spec.space != "quorum" and rng.random() < SHARED_SHARE
+    def share(self, rng: random.Random) -> bool:
+        """Whether to take this body's lock shared."""
+        return rng.random() < SHARED_SHARE
 
-    def share_inner(self, rng: random.Random, spec: LockSpec, outer: bool) -> bool:
-        """Whether a nested level takes ``spec`` shared: always inside a shared hold
+    def share_inner(self, rng: random.Random, outer: bool) -> bool:
+        """Whether a nested level takes its lock shared: always inside a shared hold
         (an exclusive level there is refused), now and then inside an exclusive one
         (it joins that hold)."""
-        return outer or self.share(rng, spec)
+        return outer or self.share(rng)
 
     def hold(self, rng: random.Random) -> float:
         """A few ms to ~100 ms of work; now and then longer than a renewal period."""
@@ -3398,7 +3398,7 @@ class _Worker:
 
         spec, using = self.pick(rng)
         hold = self.hold(rng)
-        shared = self.share(rng, spec)
+        shared = self.share(rng)
         with self.attempt(spec) as rec:
             called = now_ns()
             with mutex(spec.name, using=using, shared=shared) as held:
@@ -3428,7 +3428,7 @@ class _Worker:
 
         spec, using = self.pick(rng)
         hold = self.hold(rng)
-        shared = self.share(rng, spec)
+        shared = self.share(rng)
         lock = Mutex(spec.name, using=using, shared=shared)
         with self.attempt(spec) as rec:
             called = now_ns()
@@ -3443,7 +3443,7 @@ class _Worker:
 
     def sync_decorated(self, rng: random.Random) -> None:
         spec, using = self.pick(rng)
-        shared = self.share(rng, spec)
+        shared = self.share(rng)
         call = _Call(self, spec, "decorated", self.hold(rng), shared=shared)
         with self.attempt(spec, call.rec):
             self._announced_fence(spec.name)
@@ -3457,8 +3457,8 @@ class _Worker:
         inner_using = _using(rng.choice(spec.usings))
         how = rng.choice(("with", "handle", "decorated"))
         first, second, third = self.hold(rng) / 2, rng.uniform(0.002, 0.05), rng.uniform(0, 0.02)
-        shared = self.share(rng, spec)
-        inner_shared = self.share_inner(rng, spec, shared)
+        shared = self.share(rng)
+        inner_shared = self.share_inner(rng, shared)
         with self.attempt(spec) as rec:
             called = now_ns()
             with mutex(spec.name, using=using, shared=shared) as outer:
@@ -3659,7 +3659,7 @@ class _Worker:
 
         spec, using = self.pick(rng)
         hold = self.hold(rng)
-        shared = self.share(rng, spec)
+        shared = self.share(rng)
         with self.attempt(spec) as rec:
             called = now_ns()
             async with mutex(spec.name, using=using, shared=shared) as held:
@@ -3676,7 +3676,7 @@ class _Worker:
 
         spec, using = self.pick(rng)
         hold = self.hold(rng)
-        shared = self.share(rng, spec)
+        shared = self.share(rng)
         lock = Mutex(spec.name, using=using, shared=shared)
         with self.attempt(spec) as rec:
             called = now_ns()
@@ -3693,7 +3693,7 @@ class _Worker:
 
     async def async_decorated(self, rng: random.Random) -> None:
         spec, using = self.pick(rng)
-        shared = self.share(rng, spec)
+        shared = self.share(rng)
         call = _Call(self, spec, "async-decorated", self.hold(rng), is_async=True, shared=shared)
         with self.attempt(spec, call.rec):
             self._announced_fence(spec.name)
@@ -3707,8 +3707,8 @@ class _Worker:
         inner_using = _using(rng.choice(spec.usings))
         decorated = rng.random() < 0.5
         first, second = self.hold(rng) / 2, rng.uniform(0.002, 0.05)
-        shared = self.share(rng, spec)
-        inner_shared = self.share_inner(rng, spec, shared)
+        shared = self.share(rng)
+        inner_shared = self.share_inner(rng, shared)
         with self.attempt(spec) as rec:
             called = now_ns()
             async with mutex(spec.name, using=using, shared=shared) as outer:
@@ -3827,7 +3827,7 @@ class _Worker:
         else:
             spec, using = (self.linger, self.linger.usings[0]) if target < 0.55 else self.pick(rng)
             ttl, permit = (LINGER_TTL if spec is self.linger else self.ttl), False
-            shared = self.share(rng, spec)
+            shared = self.share(rng)
             if way == "with":
                 handle = mutex(spec.name, using=using, shared=shared, ttl=ttl)
             else:
