@@ -737,6 +737,39 @@ def test_a_permit_over_the_limit_is_excused_by_a_told_holder_paused_past_its_lea
     assert "SIGSTOP of pid 1" in verdict.excused[0]
 
 
+def test_a_permit_of_a_quorum_semaphore_over_the_limit_is_excused_by_a_masters_fault() -> None:
+    sem = {"space": "quorum", "name": "q:sem", "kind": "sem-with", "limit": 2}
+    journal = Journal()
+    journal.body(1, -1, 0, 3000, result="told", **sem)
+    journal.body(2, -1, 100, 3000, **sem)
+    journal.body(3, -1, 2500, 2600, **sem)  # a master stopped past the lease: excused
+    journal.body(1, -1, 5000, 8000, result="told", **sem)
+    journal.body(2, -1, 5100, 8000, **sem)
+    journal.body(3, -1, 7500, 7600, **sem)  # only the side Redis stopped: not excused
+    journal.fault("pause-redis", 200, 2400, server="m2")
+    journal.fault("pause-redis", 5200, 7400, server="side")
+
+    verdict = journal.check()
+
+    assert kinds(verdict) == ["permits: more holders than the limit"]
+    assert "+7.500s" in verdict.violations[0].text
+    assert verdict.stats["excused"] == {"permit told": 1}
+    assert "server m2" in verdict.excused[0]
+
+
+def test_a_reset_of_the_semaphore_explains_lost_permits() -> None:
+    journal = Journal()
+    journal.body(1, -1, 0, 3000, name="sem", kind="sem-with", limit=2, result="told")
+    journal.body(2, -1, 100, 3000, name="sem", kind="sem-with", limit=2)
+    journal.body(3, -1, 2500, 2600, name="sem", kind="sem-with", limit=2)
+    journal.fault("reset", 2000, 2010, space="single", name="sem", held=True)
+
+    verdict = journal.check()
+
+    assert verdict.violations == []
+    assert verdict.stats["excused"] == {"permit told": 1}
+
+
 # -- the mid hand-off stall -----------------------------------------------------------------------
 
 
