@@ -2328,8 +2328,8 @@ class Nemesis:
         self._sleepers: list[threading.Thread] = []
         self._held_after: list[HeldSample] = []
         self._held_during: list[HeldSample] = []
-        #: (semaphore, token) of the quorum permit copies on too few masters seen after the run.
-        self._minority_permits: set[tuple[str, str]] = set()
+        #: The quorum permit copies on too few masters seen after the run, by (semaphore, token).
+        self._minority_permits: dict[tuple[str, str], dict[str, Any]] = {}
         self._orphan_phases: dict[str, int] = {}
         self._problems: list[Violation] = []
         self._ttl_lock = threading.Lock()
@@ -3023,7 +3023,15 @@ class Nemesis:
             for token, held in tokens.items():
                 if len(held) < needed:
                     if phase != "run":
-                        self._minority_permits.add((name, token))
+                        self._minority_permits[(name, token)] = {
+                            "what": "permit copy on too few masters",
+                            "phase": phase,
+                            "t": now_ns(),
+                            "name": name,
+                            "owner": str(held[0].owner),
+                            "masters": len(held),
+                            "time_left": max(holder.time_left for holder in held),
+                        }
                     continue
                 left = sorted((holder.time_left for holder in held), reverse=True)
                 holders.append(
@@ -3119,6 +3127,8 @@ class Nemesis:
             with open(self.workdir / "held.jsonl", "w", encoding="utf-8") as log:
                 for sample in self._held_during + self._held_after:
                     log.write(json.dumps(sample.__dict__) + "\n")
+                for copy in self._minority_permits.values():
+                    log.write(json.dumps(copy) + "\n")
             (self.workdir / "plan.txt").write_text(
                 "".join(fault.describe() + "\n" for fault in plan), encoding="utf-8"
             )
