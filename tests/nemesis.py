@@ -9,12 +9,11 @@ worker processes (each running threads *and* asyncio tasks) contend for a
 handful of locks through every public way of taking one (some bodies of a
 ``with``, ``async with``, ``acquire()``, decorated call or nested block take
 their lock shared, and nested levels join a shared or an exclusive hold
-shared, on every lock, a quorum's too), some bodies
-take a permit of a semaphore (limit SEMAPHORE_LIMIT, on the quorum as well)
-instead, some tasks are
-cancelled at a random point of theirs, every critical section ("body") is
-journalled with whether it was shared, and :func:`check` then asks of the
-whole history what the lock promises.
+shared, on every lock, a quorum's too), some bodies take a permit of a
+semaphore (limit SEMAPHORE_LIMIT, on the quorum as well) instead, some tasks
+are cancelled at a random point of theirs, every critical section ("body")
+is journalled with whether it was shared, and :func:`check` then asks of
+the whole history what the lock promises.
 
 A run (:class:`Nemesis`) starts its own redis-server(s) on free ports: one for
 the ``single`` topology; for ``quorum`` three independent masters (``m1``..
