@@ -37,9 +37,9 @@ SIGSTOP, Redis has read what was sent before and runs it when it wakes, so
 an acquisition or a release whose caller timed out still happens, later);
 proxy latency, stalls and cuts; operator resets of a lock
 (``django_redis_mutex.reset``) or of the semaphore's permits
-(``reset_semaphore``, on each master of a quorum) from this process. Some
-faults are scenarios, placed in every 30 s of a run with their slot and
-their Redis to themselves:
+(``reset_semaphore``; a quorum's through its alias, on every master) from
+this process. Some faults are scenarios, placed in every 30 s of a run with
+their slot and their Redis to themselves:
 
 * hand-over: a thread hands an acquired ``Mutex`` to another thread, which
   releases it later, and goes on to run an ``@mutex`` function of the same
@@ -238,7 +238,7 @@ from typing import TYPE_CHECKING, Any
 from .nemesis_data import DataState, Increment, read_state
 
 if TYPE_CHECKING:
-    from django_redis_mutex.semaphore import HeldSemaphore
+    from django_redis_mutex.introspection import HeldSemaphore, SemaphoreHolder
 
 ROOT = Path(__file__).resolve().parent.parent
 NS = 1_000_000_000
@@ -2794,42 +2794,25 @@ class Nemesis:
         self._executor.submit(self._run_reset, record)
 
     def _run_reset(self, record: FaultRecord) -> None:
-        """Force-release a lock or a semaphore's permits as an operator would (in a thread)."""
-        from django_redis_mutex import reset
+        """Force-release a lock or a semaphore's permits as an operator would (in a thread).
+
+        Through the quorum alias on the quorum: both resets then run on every
+        master (a member alias of a quorum is refused).
+        """
+        from django_redis_mutex import reset, reset_semaphore
 
         assert record.space is not None and record.name is not None
         record.t0 = now_ns()
+        using = OPERATOR_ALIAS[record.space]
         try:
             if record.name == semaphore_spec(self.topology).name:
-                record.held = self._reset_semaphore(record.name, record.space)
+                record.held = reset_semaphore(record.name, using=using) > 0
             else:
-                record.held = reset(record.name, using=OPERATOR_ALIAS[record.space])
+                record.held = reset(record.name, using=using)
         except Exception as exc:
             record.held = None
             record.note = f"{type(exc).__name__}: {exc}"[:200]
         record.t1 = now_ns()
-
-    def _reset_semaphore(self, name: str, space: str) -> bool:
-        """Free every permit of semaphore ``name``; return True if any was held.
-
-        reset_semaphore() acts on one Redis: a quorum semaphore, which lives in
-        each master's namespace under the same name, is reset on every master
-        through the master's own alias, as reset() resets a quorum lock on
-        every master. A master that failed makes it raise once the others were
-        reset (a reset that raised may have run).
-        """
-        from django_redis_mutex import reset_semaphore
-
-        aliases = MASTERS if space == "quorum" else (OPERATOR_ALIAS[space],)
-        freed, errors = 0, []
-        for alias in aliases:
-            try:
-                freed += reset_semaphore(name, alias)
-            except Exception as exc:
-                errors.append(exc)
-        if errors:
-            raise errors[0]
-        return freed > 0
 
     # -- the run ------------------------------------------------------------------------------
 
@@ -2935,7 +2918,7 @@ class Nemesis:
 
     def _held_now(self, phase: str, quiet: bool = False) -> list[HeldSample]:
         """Return every lock and permit held now in the run's namespace, on every server."""
-        from django_redis_mutex import held_locks
+        from django_redis_mutex import held_locks, held_semaphores
 
         samples: list[HeldSample] = []
         spaces = sorted({s for server in SERVERS[self.topology] for s in SPACES_ON[server]})
@@ -2944,7 +2927,9 @@ class Nemesis:
             t = now_ns()
             try:
                 locks = held_locks(alias)
-                sems = self._held_semaphores(space, phase)
+                sems = held_semaphores(alias)
+                if space == "quorum" and phase != "run":
+                    self._note_partial_permits(sems, phase)
             except Exception as exc:
                 if not quiet:  # during the run, faults make a server unreadable at times
                     self._problems.append(
@@ -2988,59 +2973,37 @@ class Nemesis:
                     )
         return samples
 
-    def _held_semaphores(self, space: str, phase: str) -> list[HeldSemaphore]:
-        """Return the semaphores with permits held in ``space``, a quorum's as it counts them.
+    def _note_partial_permits(self, listed: list[HeldSemaphore], phase: str) -> None:
+        """Note the quorum permit copies on too few masters to be a permit.
 
-        held_semaphores() reads one Redis. A quorum semaphore lives on every
-        master, in that master's namespace under the same name, so each master
-        is read through its own alias, and a permit is held where the
-        semaphore counts one: its token on as many masters as grant a permit
-        (all three for a limit of two). A copy on fewer masters is no permit,
-        as a quorum lock's copies on a minority are no lock to held_locks():
-        no holder holds it or can be told it is lost. A quorum acquisition's
-        undo or a quorum release leaves one on a master that did not answer
-        in time, and it ends with its lease; those seen after the run are
-        counted ("permit copies on too few masters"), not judged.
+        held_semaphores() of the quorum alias lists a permit held on as many
+        masters as grant one (all three for a limit of two), as held_locks()
+        lists a quorum lock held on a majority. A copy on fewer masters is no
+        permit: no holder holds it or can be told it is lost, and it ends with
+        its lease. A quorum operation leaves one on a master it did not reach,
+        so each master is read through its own alias and such copies seen
+        after the run are counted ("permit copies on too few masters"), not
+        judged.
         """
-        from django_redis_mutex import Semaphore, held_semaphores
-        from django_redis_mutex.semaphore import HeldSemaphore, SemaphoreHolder
+        from django_redis_mutex import held_semaphores
 
-        if space != "quorum":
-            return held_semaphores(OPERATOR_ALIAS[space])
-        copies: dict[str, dict[str, list[SemaphoreHolder]]] = defaultdict(lambda: defaultdict(list))
-        limits: dict[str, int | None] = {}
+        granted = {holder.token for sem in listed for holder in sem.holders}
+        copies: dict[tuple[str, str], list[SemaphoreHolder]] = defaultdict(list)
         for master in MASTERS:
             for sem in held_semaphores(master):
-                limits[sem.name] = sem.limit
                 for holder in sem.holders:
-                    copies[sem.name][holder.token].append(holder)
-        found = []
-        for name, tokens in sorted(copies.items()):
-            limit = limits[name] or SEMAPHORE_LIMIT
-            needed = Semaphore(name, limit, using=OPERATOR_ALIAS[space]).quorum
-            holders = []
-            for token, held in tokens.items():
-                if len(held) < needed:
-                    if phase != "run":
-                        self._minority_permits[(name, token)] = {
-                            "what": "permit copy on too few masters",
-                            "phase": phase,
-                            "t": now_ns(),
-                            "name": name,
-                            "owner": str(held[0].owner),
-                            "masters": len(held),
-                            "time_left": max(holder.time_left for holder in held),
-                        }
-                    continue
-                left = sorted((holder.time_left for holder in held), reverse=True)
-                holders.append(
-                    SemaphoreHolder(
-                        token, held[0].owner, left[needed - 1], max(h.fence for h in held)
-                    )
-                )
-            if holders:
-                found.append(HeldSemaphore(name, limits[name], holders))
-        return found
+                    if holder.token not in granted:
+                        copies[(sem.name, holder.token)].append(holder)
+        for (name, token), held in copies.items():
+            self._minority_permits[(name, token)] = {
+                "what": "permit copy on too few masters",
+                "phase": phase,
+                "t": now_ns(),
+                "name": name,
+                "owner": str(held[0].owner),
+                "masters": len(held),
+                "time_left": max(holder.time_left for holder in held),
+            }
 
     def _look_for_orphans(self, phase: str) -> str:
         """Poll what is held until nothing is, or until each thing's deadline has passed.
@@ -4120,7 +4083,7 @@ class _Worker:
         acquisition it had read. What it granted must still be given back; the
         orphan rule checks it (see _Checker.check_children). A sleeping quorum
         master grants a copy of the permit on its own, which is no permit (see
-        Nemesis._held_semaphores).
+        Nemesis._note_partial_permits).
         """
         from django_redis_mutex import Semaphore, mutex
 
