@@ -500,8 +500,12 @@ async def _aeach(op: Each) -> Fanned:
         return await scripts.arun(client, op.script, list(keys), op.args)
 
     sent = time.monotonic()
-    results = await asyncio.gather(
-        *(one(alias, keys) for alias, keys in op.calls), return_exceptions=True
+    # Shielded: each request goes out from a task of its own, one loop step
+    # later. A caller cancelled meanwhile (in a release, say) would cut them
+    # all before any was sent, where one Redis's script is written before the
+    # first await; so they all go out, and the cancel reaches the caller at once.
+    results = await asyncio.shield(
+        asyncio.gather(*(one(alias, keys) for alias, keys in op.calls), return_exceptions=True)
     )
     replies: dict[str, Any] = {}
     errors: dict[str, BaseException] = {}

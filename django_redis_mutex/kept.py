@@ -22,9 +22,9 @@ from .giveback import give_back_later
 from .holds import Hold, await_transaction, transaction_ended
 from .topology import OneRedis
 from .transactions import TransactionWait, open_transactions, warn_if_read_before
-from .watchdog import declare_lost, get_watchdog
+from .watchdog import declare_if_lapsed, declare_lost, get_watchdog
 
-__all__ = ["keep_for_transaction", "lost_while_kept", "release_after_transaction"]
+__all__ = ["keep_for_transaction", "lost_while_kept", "release_after_transaction", "still_kept"]
 
 logger = logging.getLogger("django_redis_mutex")
 
@@ -86,12 +86,34 @@ def keep_for_transaction(lock: KeptHandle, hold: Hold) -> list[str] | None:
 
 def lost_while_kept(lock: KeptHandle, hold: Hold) -> None:
     """The lock was gone when its block ended in a transaction: tell the block."""
+    _stop_keeping(hold)
+    lock._finish(hold, False)  # raises LockNotOwned: the block raises LockLost
+
+
+def still_kept(hold: Hold) -> bool:
+    """Return True if ``hold`` is still kept as its block's exit returns, else stop keeping it.
+
+    :func:`keep_for_transaction` found it held, but the watchdog may declare
+    it lost while the exit's mark is on its way (a Redis, a master or this
+    process slow or paused), and a quorum hold's validity may run out
+    meanwhile, though the mark still reached a master. Kept, its block would
+    exit cleanly and its transaction commit on a lock another owner may hold:
+    the caller gives it back at once instead, and its block raises LockLost
+    (or LockBackendUnavailable, when the give-back gets no answer).
+    """
+    declare_if_lapsed(hold)
+    if not hold.lost:
+        return True
+    _stop_keeping(hold)
+    return False
+
+
+def _stop_keeping(hold: Hold) -> None:
     wait = hold.transaction_wait
     if wait is not None:
         wait.cancel()
     hold.transaction_wait = None
     transaction_ended(hold)
-    lock._finish(hold, False)  # raises LockNotOwned: the block raises LockLost
 
 
 def release_after_transaction(lock: KeptHandle, hold: Hold) -> None:

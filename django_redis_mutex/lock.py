@@ -65,14 +65,14 @@ from .holds import (
     owner_metadata,
     scoped_hold,
 )
-from .kept import keep_for_transaction, lost_while_kept
+from .kept import keep_for_transaction, lost_while_kept, still_kept
 from .keys import LockKeys, validate_label, validate_name
 from .levels import Levels
 from .owners import Owner
 from .quorum import Quorum, quorum_members
 from .scripts import WAIT_LEASE, lease_ms
 from .topology import Grant, OneRedis
-from .watchdog import declare_lost, get_watchdog
+from .watchdog import declare_if_lapsed, declare_lost, get_watchdog
 
 __all__ = ["DEFAULT", "Mutex", "QuorumMutex"]
 
@@ -643,7 +643,8 @@ class Mutex:
         if kept is not None:
             if kept and not run_steps(self._where.mark_steps(hold, kept)):
                 lost_while_kept(self, hold)
-            return
+            if still_kept(hold):
+                return
         # Stop renewing first: a renewal answered after our release would
         # otherwise report the lock as lost.
         get_watchdog().unwatch(hold)
@@ -665,7 +666,8 @@ class Mutex:
         if kept is not None:
             if kept and not await AsyncDriver().run(self._where.mark_steps(hold, kept)):
                 lost_while_kept(self, hold)
-            return
+            if still_kept(hold):
+                return
         get_watchdog().unwatch(hold)
         try:
             released = await self._arun(self._where.release_steps(hold))
@@ -805,8 +807,7 @@ class Mutex:
         if block.scope is not None:
             close_scope(block.scope)
         hold = block.hold
-        if hold.strict and hold.active and not hold.valid():
-            declare_lost(hold, "its validity ran out before a majority of masters renewed it")
+        declare_if_lapsed(hold)
         return hold
 
     def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> Literal[False]:

@@ -41,9 +41,19 @@ from redis.exceptions import NoScriptError, ResponseError
 from . import scripts, signals
 from .holds import Lease
 
-__all__ = ["Renewable", "Watchdog", "announce_lost", "declare_lost", "get_watchdog"]
+__all__ = [
+    "Renewable",
+    "Watchdog",
+    "announce_lost",
+    "declare_if_lapsed",
+    "declare_lost",
+    "get_watchdog",
+]
 
 logger = logging.getLogger("django_redis_mutex")
+
+# Why a hold whose local bound lapsed (a quorum lock's validity) is lost.
+LAPSED = "its validity ran out before a majority of masters renewed it"
 
 # How long a lane sleeps at most when nothing is due; also the longest retry
 # delay after a Redis could not be reached.
@@ -173,7 +183,7 @@ class Watchdog:
             # One Redis, or too many masters for a majority, say it is not ours.
             self._lost(hold, "the watchdog found it held by another owner or gone")
         elif hold.strict and not hold.valid(now):
-            self._lost(hold, "its validity ran out before a majority of masters renewed it")
+            self._lost(hold, LAPSED)
 
     def _lost(self, hold: Renewable, reason: str) -> None:
         # A release unwatches before it asks Redis: a hold no longer watched
@@ -192,6 +202,15 @@ def declare_lost(item: Renewable, reason: str) -> None:
     """
     get_watchdog().unwatch(item)
     announce_lost(item, reason, log=False)
+
+
+def declare_if_lapsed(item: Renewable) -> None:
+    """Declare ``item`` lost if its local bound lapsed (a quorum lock's validity ran out).
+
+    Its owner asks as it leaves a block, before the watchdog's next look.
+    """
+    if item.strict and item.active and not item.valid():
+        declare_lost(item, LAPSED)
 
 
 def announce_lost(item: Renewable, reason: str, *, log: bool = True) -> bool:

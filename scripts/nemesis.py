@@ -8,10 +8,11 @@ Usage (from the repository root)::
     uv run python scripts/nemesis.py --seed 1234 --keep       # keep journals and logs
 
 Each topology gets its own redis-server(s) on free ports (``single``: one;
-``quorum``: three masters plus one for an unrelated single-alias lock), a
+``quorum``: three masters plus one for unrelated single-alias locks), a
 PostgreSQL server (from the machine's ``postgresql`` package, see
 tests/databases.py) whose counter rows the workers' transactions update, worker
-processes with threads and asyncio tasks (some cancelled mid-acquisition,
+processes with threads and asyncio tasks taking locks exclusive and shared and
+permits of a semaphore on every topology (some cancelled mid-acquisition,
 mid-body or mid-release), and the faults the seed plans: worker SIGSTOP/SIGKILL,
 event-loop stalls, Redis SIGSTOP, DEBUG SLEEP and restarts, proxy latency,
 stalls and cuts, operator resets. Afterwards nothing may stay held by an

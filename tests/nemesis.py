@@ -9,17 +9,22 @@ worker processes (each running threads *and* asyncio tasks) contend for a
 handful of locks through every public way of taking one (some bodies of a
 ``with``, ``async with``, ``acquire()``, decorated call or nested block take
 their lock shared, and nested levels join a shared or an exclusive hold
-shared, on every lock but a quorum's, which cannot be shared), some bodies
-take a permit of a semaphore (limit SEMAPHORE_LIMIT) instead, some tasks are
-cancelled at a random point of theirs, every critical section ("body") is
-journalled with whether it was shared, and :func:`check` then asks of the
-whole history what the lock promises.
+shared, on every lock, a quorum's too), some bodies take a permit of a
+semaphore (limit SEMAPHORE_LIMIT, on the quorum as well) instead, some tasks
+are cancelled at a random point of theirs, every critical section ("body")
+is journalled with whether it was shared, and :func:`check` then asks of
+the whole history what the lock promises.
 
 A run (:class:`Nemesis`) starts its own redis-server(s) on free ports: one for
 the ``single`` topology; for ``quorum`` three independent masters (``m1``..
-``m3``, locked through the alias ``q`` whose MUTEX names them as its QUORUM, or
-through the list of the three) plus one more Redis (``side``) carrying an
-unrelated single-alias lock. Workers reach every server through a loopback
+``m3``, reached through the alias ``q`` whose MUTEX names them as its QUORUM, or
+through the list of the three) plus one more Redis (``side``) carrying
+unrelated single-alias locks. On the quorum the workers take every kind: its
+locks exclusive and shared (a hold granted by a majority), and permits of its
+semaphore, each granted by more than ``masters * limit / (limit + 1)``
+masters, so with a limit of two by all three: a fault that stops any master
+makes permits unavailable (``LockBackendUnavailable``, an acquisition refused
+like any other) while it lasts. Workers reach every server through a loopback
 proxy of their own (tests/proxy.py), so latency, stalls and cuts can hit one
 worker or all. The plan (:func:`make_plan`, from ``random.Random`` seeded with
 the seed and topology, so the same seed gives the same schedule) is applied on
@@ -30,9 +35,11 @@ SIGCONT and restart of a redis-server (it comes back empty); ``DEBUG SLEEP``
 of a redis-server for longer than the workers' socket timeout (unlike a
 SIGSTOP, Redis has read what was sent before and runs it when it wakes, so
 an acquisition or a release whose caller timed out still happens, later);
-proxy latency, stalls and cuts; operator resets (``django_redis_mutex.reset``)
-from this process. Some faults are scenarios, placed in every 30 s of a run with their
-slot and their Redis to themselves:
+proxy latency, stalls and cuts; operator resets of a lock
+(``django_redis_mutex.reset``) or of the semaphore's permits
+(``reset_semaphore``; a quorum's through its alias, on every master) from
+this process. Some faults are scenarios, placed in every 30 s of a run with
+their slot and their Redis to themselves:
 
 * hand-over: a thread hands an acquired ``Mutex`` to another thread, which
   releases it later, and goes on to run an ``@mutex`` function of the same
@@ -162,14 +169,21 @@ What :func:`check` demands, per lock name:
   with ``limit`` others inside, enough of them to make room must be excused
   as a stale lock holder is (told, unconfirmed or killed, and a fault that
   explains a lost lease between its acquire call and that entry). A
-  ``lock_lost`` signal of a permit names no grant, so it tells no body.
+  ``lock_lost`` signal of a permit names no grant, so it tells no body. On
+  the quorum, as for its locks, a fault of any master (or of a proxy to one)
+  can explain a lost permit.
 * After the run no key on any server is without an expiry (``PTTL == -1``),
   checked every two seconds during the run and at the end.
 * Nothing outlives its owner (the orphan rule). Once every worker has run
   its last body and waits, alive, to be let go (its watchdog and background
   give-backs still running), and again once every worker has exited, the
   nemesis polls the lock hashes and semaphore holder sets of the run's
-  namespace until nothing is held. A lock or permit still held more than
+  namespace until nothing is held. On a quorum a lock or permit is held
+  where the quorum counts it: a lock's token on a majority of the masters,
+  a permit's on as many as grant one (every master is read); a copy on
+  fewer masters, which a quorum acquisition's undo or release leaves on a
+  master that did not answer in time, is no grant, ends with its lease and
+  is only counted. A lock or permit still held more than
   ORPHAN_GRACE (1 s) after the phase began is an orphan, named with its
   owner record, unless its owner was SIGKILLed and a wait lease plus the
   longest lease of its name, counted from the kill, explain it. During the
@@ -219,9 +233,12 @@ from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from .nemesis_data import DataState, Increment, read_state
+
+if TYPE_CHECKING:
+    from django_redis_mutex.introspection import HeldSemaphore, SemaphoreHolder
 
 ROOT = Path(__file__).resolve().parent.parent
 NS = 1_000_000_000
@@ -380,9 +397,17 @@ def linger_spec(topology: str) -> LockSpec:
 
 
 def semaphore_spec(topology: str) -> LockSpec:
-    """The semaphore of a run (limit SEMAPHORE_LIMIT), on one Redis: a quorum has none."""
-    space = "single" if topology == "single" else "side"
-    return LockSpec(space, "sem" if space == "single" else "side:sem", (OPERATOR_ALIAS[space],))
+    """The semaphore of a run (limit SEMAPHORE_LIMIT): on its one Redis, or on the quorum.
+
+    A quorum semaphore is named, as a quorum lock is, by the alias with the
+    QUORUM or by the list of masters. Each of its permits is granted by more
+    than ``masters * limit / (limit + 1)`` masters: with a limit of two, by
+    all three, so a fault that stops any master makes permits unavailable
+    while it lasts.
+    """
+    if topology == "single":
+        return LockSpec("single", "sem", ("default",))
+    return LockSpec("quorum", "q:sem", ("q", MASTERS))
 
 
 def longest_lease(topology: str, tuning: Tuning, name: str) -> float:
@@ -517,6 +542,8 @@ def make_plan(seed: int, topology: str, seconds: float, tuning: Tuning) -> list[
     slots = list(range(tuning.slots))
     servers = SERVERS[topology]
     specs = lock_specs(topology)
+    # What an operator resets now and then: the locks, and the semaphore's permits.
+    resettable = [*specs, semaphore_spec(topology)]
     calm = min(3.0, seconds * 0.1)
     last = seconds - 1.0
     # Per key, the (start, end) spans already given out. "slot<n>", "server:<s>",
@@ -610,10 +637,15 @@ def make_plan(seed: int, topology: str, seconds: float, tuning: Tuning) -> list[
         return False
 
     def sleep(at: float) -> bool:
-        # On the Redis of the linger lock and the semaphore, long enough that a
-        # give-back sent a socket timeout into it times out too; a worker of
-        # ``slot`` takes and cancels both as it falls asleep.
-        server = hosts(linger_spec(topology).space)[0]
+        # On a Redis of the linger lock or of the semaphore (one server carries
+        # both, or on the quorum one of the side server and a master), long
+        # enough that a give-back sent a socket timeout into it times out too;
+        # a worker of ``slot`` takes and cancels what lives there as it falls asleep.
+        linger_host = hosts(linger_spec(topology).space)[0]
+        semaphore_hosts = hosts(semaphore_spec(topology).space)
+        server = linger_host
+        if semaphore_hosts != [linger_host]:
+            server = rng.choice([linger_host, rng.choice(semaphore_hosts)])
         length = rng.uniform(2.3, 3.0) * tuning.socket_timeout
         if claim(at, at + length + 1.0, f"server:{server}", avoid=(f"hush:{server}",)):
             slot = rng.choice(slots)
@@ -660,7 +692,7 @@ def make_plan(seed: int, topology: str, seconds: float, tuning: Tuning) -> list[
                     Fault(t, kind, slot=slot, holder=holder, allowed=allowed, seconds=length)
                 )
         elif kind == "reset":
-            spec = rng.choices(specs, weights=[s.weight for s in specs])[0]
+            spec = rng.choices(resettable, weights=[s.weight for s in resettable])[0]
             if claim(t, t + 0.5, "reset"):
                 faults.append(Fault(t, kind, space=spec.space, name=spec.name))
         else:
@@ -2103,7 +2135,13 @@ class Report:
             f"  orphans: {'checked' if stats.get('orphan check') else 'not checked'}, "
             f"{stats.get('orphan samples', 0)} held samples; everything given back "
             f"{runner.get('drained while idle', 'not checked')} of the workers going idle, "
-            f"{runner.get('drained', 'not checked')} of their exit",
+            f"{runner.get('drained', 'not checked')} of their exit"
+            + (
+                f"; {runner['permit copies on too few masters']} quorum permit copies on "
+                "too few masters to be a permit, left to their lease"
+                if runner.get("permit copies on too few masters")
+                else ""
+            ),
             f"  result: {'OK' if self.ok else f'{len(self.violations)} violation(s)'}"
             + (
                 " ("
@@ -2289,6 +2327,8 @@ class Nemesis:
         self._sleepers: list[threading.Thread] = []
         self._held_after: list[HeldSample] = []
         self._held_during: list[HeldSample] = []
+        #: The quorum permit copies on too few masters seen after the run, by (semaphore, token).
+        self._minority_permits: dict[tuple[str, str], dict[str, Any]] = {}
         self._orphan_phases: dict[str, int] = {}
         self._problems: list[Violation] = []
         self._ttl_lock = threading.Lock()
@@ -2666,12 +2706,20 @@ class Nemesis:
             return
         record = self._record("sleep-redis", server=fault.server, seconds=fault.seconds)
         target = self._target(fault) if fault.slot is not None else None
-        hosts_linger = linger_spec(self.topology).space in SPACES_ON[fault.server]
-        if target is not None and hosts_linger and fault.seconds > 2 * self.tuning.socket_timeout:
+        # What lives on the sleeping server: the linger lock, the semaphore, or both.
+        takes = [
+            what
+            for what, spec in (("lock", linger_spec), ("permit", semaphore_spec))
+            if spec(self.topology).space in SPACES_ON[fault.server]
+        ]
+        if target is not None and takes and fault.seconds > 2 * self.tuning.socket_timeout:
             # Its acquisitions land in the sleep, and are cancelled there.
-            self._command(target, {"cmd": "cancel-in-sleep", "delay": 0.1, "fault": record.id})
+            self._command(
+                target,
+                {"cmd": "cancel-in-sleep", "delay": 0.1, "takes": takes, "fault": record.id},
+            )
             record.slot, record.pid = target.index, target.pid
-            record.note = "with cancelled acquisitions"
+            record.note = f"with cancelled acquisitions ({', '.join(takes)})"
 
         def sleep() -> None:
             client = redis.Redis(port=server.port, socket_timeout=fault.seconds + 10)
@@ -2746,13 +2794,21 @@ class Nemesis:
         self._executor.submit(self._run_reset, record)
 
     def _run_reset(self, record: FaultRecord) -> None:
-        """Force-release a lock as an operator would (in an operator thread)."""
-        from django_redis_mutex import reset
+        """Force-release a lock or a semaphore's permits as an operator would (in a thread).
+
+        Through the quorum alias on the quorum: both resets then run on every
+        master (a member alias of a quorum is refused).
+        """
+        from django_redis_mutex import reset, reset_semaphore
 
         assert record.space is not None and record.name is not None
         record.t0 = now_ns()
+        using = OPERATOR_ALIAS[record.space]
         try:
-            record.held = reset(record.name, using=OPERATOR_ALIAS[record.space])
+            if record.name == semaphore_spec(self.topology).name:
+                record.held = reset_semaphore(record.name, using=using) > 0
+            else:
+                record.held = reset(record.name, using=using)
         except Exception as exc:
             record.held = None
             record.note = f"{type(exc).__name__}: {exc}"[:200]
@@ -2871,7 +2927,9 @@ class Nemesis:
             t = now_ns()
             try:
                 locks = held_locks(alias)
-                sems = held_semaphores(alias) if space != "quorum" else []
+                sems = held_semaphores(alias)
+                if space == "quorum" and phase != "run":
+                    self._note_partial_permits(sems, phase)
             except Exception as exc:
                 if not quiet:  # during the run, faults make a server unreadable at times
                     self._problems.append(
@@ -2914,6 +2972,38 @@ class Nemesis:
                         )
                     )
         return samples
+
+    def _note_partial_permits(self, listed: list[HeldSemaphore], phase: str) -> None:
+        """Note the quorum permit copies on too few masters to be a permit.
+
+        held_semaphores() of the quorum alias lists a permit held on as many
+        masters as grant one (all three for a limit of two), as held_locks()
+        lists a quorum lock held on a majority. A copy on fewer masters is no
+        permit: no holder holds it or can be told it is lost, and it ends with
+        its lease. A quorum operation leaves one on a master it did not reach,
+        so each master is read through its own alias and such copies seen
+        after the run are counted ("permit copies on too few masters"), not
+        judged.
+        """
+        from django_redis_mutex import held_semaphores
+
+        granted = {holder.token for sem in listed for holder in sem.holders}
+        copies: dict[tuple[str, str], list[SemaphoreHolder]] = defaultdict(list)
+        for master in MASTERS:
+            for sem in held_semaphores(master):
+                for holder in sem.holders:
+                    if holder.token not in granted:
+                        copies[(sem.name, holder.token)].append(holder)
+        for (name, token), held in copies.items():
+            self._minority_permits[(name, token)] = {
+                "what": "permit copy on too few masters",
+                "phase": phase,
+                "t": now_ns(),
+                "name": name,
+                "owner": str(held[0].owner),
+                "masters": len(held),
+                "time_left": max(holder.time_left for holder in held),
+            }
 
     def _look_for_orphans(self, phase: str) -> str:
         """Poll what is held until nothing is, or until each thing's deadline has passed.
@@ -2999,6 +3089,8 @@ class Nemesis:
             with open(self.workdir / "held.jsonl", "w", encoding="utf-8") as log:
                 for sample in self._held_during + self._held_after:
                     log.write(json.dumps(sample.__dict__) + "\n")
+                for copy in self._minority_permits.values():
+                    log.write(json.dumps(copy) + "\n")
             (self.workdir / "plan.txt").write_text(
                 "".join(fault.describe() + "\n" for fault in plan), encoding="utf-8"
             )
@@ -3012,6 +3104,7 @@ class Nemesis:
                     "scans": self._scans,
                     "drained": drained,
                     "drained while idle": orphans_idle,
+                    "permit copies on too few masters": len(self._minority_permits),
                     "gaps": dict(gaps),
                     "workdir": str(self.workdir) if self.keep else "",
                 }
@@ -3108,7 +3201,7 @@ def _owner() -> str:
 
 
 # The share of with, async with, acquire() and decorated bodies that take their
-# lock shared (on every lock but a quorum's).
+# lock shared, on every topology.
 SHARED_SHARE = 0.35
 
 SYNC_KINDS = {
@@ -3320,15 +3413,15 @@ class _Worker:
         spec = rng.choices(specs, weights=[s.weight for s in specs])[0]
         return spec, _using(rng.choice(spec.usings))
 
-    def share(self, rng: random.Random, spec: LockSpec) -> bool:
-        """Whether to take ``spec`` shared this time (a quorum lock cannot be shared)."""
-        return spec.space != "quorum" and rng.random() < SHARED_SHARE
+    def share(self, rng: random.Random) -> bool:
+        """Whether to take this body's lock shared."""
+        return rng.random() < SHARED_SHARE
 
-    def share_inner(self, rng: random.Random, spec: LockSpec, outer: bool) -> bool:
-        """Whether a nested level takes ``spec`` shared: always inside a shared hold
+    def share_inner(self, rng: random.Random, outer: bool) -> bool:
+        """Whether a nested level takes its lock shared: always inside a shared hold
         (an exclusive level there is refused), now and then inside an exclusive one
         (it joins that hold)."""
-        return outer or self.share(rng, spec)
+        return outer or self.share(rng)
 
     def hold(self, rng: random.Random) -> float:
         """A few ms to ~100 ms of work; now and then longer than a renewal period."""
@@ -3398,7 +3491,7 @@ class _Worker:
 
         spec, using = self.pick(rng)
         hold = self.hold(rng)
-        shared = self.share(rng, spec)
+        shared = self.share(rng)
         with self.attempt(spec) as rec:
             called = now_ns()
             with mutex(spec.name, using=using, shared=shared) as held:
@@ -3428,7 +3521,7 @@ class _Worker:
 
         spec, using = self.pick(rng)
         hold = self.hold(rng)
-        shared = self.share(rng, spec)
+        shared = self.share(rng)
         lock = Mutex(spec.name, using=using, shared=shared)
         with self.attempt(spec) as rec:
             called = now_ns()
@@ -3443,7 +3536,7 @@ class _Worker:
 
     def sync_decorated(self, rng: random.Random) -> None:
         spec, using = self.pick(rng)
-        shared = self.share(rng, spec)
+        shared = self.share(rng)
         call = _Call(self, spec, "decorated", self.hold(rng), shared=shared)
         with self.attempt(spec, call.rec):
             self._announced_fence(spec.name)
@@ -3457,8 +3550,8 @@ class _Worker:
         inner_using = _using(rng.choice(spec.usings))
         how = rng.choice(("with", "handle", "decorated"))
         first, second, third = self.hold(rng) / 2, rng.uniform(0.002, 0.05), rng.uniform(0, 0.02)
-        shared = self.share(rng, spec)
-        inner_shared = self.share_inner(rng, spec, shared)
+        shared = self.share(rng)
+        inner_shared = self.share_inner(rng, shared)
         with self.attempt(spec) as rec:
             called = now_ns()
             with mutex(spec.name, using=using, shared=shared) as outer:
@@ -3659,7 +3752,7 @@ class _Worker:
 
         spec, using = self.pick(rng)
         hold = self.hold(rng)
-        shared = self.share(rng, spec)
+        shared = self.share(rng)
         with self.attempt(spec) as rec:
             called = now_ns()
             async with mutex(spec.name, using=using, shared=shared) as held:
@@ -3676,7 +3769,7 @@ class _Worker:
 
         spec, using = self.pick(rng)
         hold = self.hold(rng)
-        shared = self.share(rng, spec)
+        shared = self.share(rng)
         lock = Mutex(spec.name, using=using, shared=shared)
         with self.attempt(spec) as rec:
             called = now_ns()
@@ -3693,7 +3786,7 @@ class _Worker:
 
     async def async_decorated(self, rng: random.Random) -> None:
         spec, using = self.pick(rng)
-        shared = self.share(rng, spec)
+        shared = self.share(rng)
         call = _Call(self, spec, "async-decorated", self.hold(rng), is_async=True, shared=shared)
         with self.attempt(spec, call.rec):
             self._announced_fence(spec.name)
@@ -3707,8 +3800,8 @@ class _Worker:
         inner_using = _using(rng.choice(spec.usings))
         decorated = rng.random() < 0.5
         first, second = self.hold(rng) / 2, rng.uniform(0.002, 0.05)
-        shared = self.share(rng, spec)
-        inner_shared = self.share_inner(rng, spec, shared)
+        shared = self.share(rng)
+        inner_shared = self.share_inner(rng, shared)
         with self.attempt(spec) as rec:
             called = now_ns()
             async with mutex(spec.name, using=using, shared=shared) as outer:
@@ -3753,12 +3846,16 @@ class _Worker:
         """The lease of a permit: mostly the run's, now and then LINGER_TTL."""
         return LINGER_TTL if rng.random() < 0.2 else self.ttl
 
+    def sem_using(self, rng: random.Random) -> Any:
+        """One of the ways to name where the run's semaphore lives (a quorum has two)."""
+        return _using(rng.choice(self.semaphore.usings))
+
     def sync_sem_with(self, rng: random.Random) -> None:
         """A permit of the run's semaphore, through ``with Semaphore(...)`` or acquire()."""
         from django_redis_mutex import Semaphore
 
         spec, hold, ttl = self.semaphore, self.hold(rng), self.permit_ttl(rng)
-        sem = Semaphore(spec.name, SEMAPHORE_LIMIT, using=spec.usings[0], ttl=ttl)
+        sem = Semaphore(spec.name, SEMAPHORE_LIMIT, using=self.sem_using(rng), ttl=ttl)
         with self.attempt(spec) as rec:
             called = now_ns()
             if rng.random() < 0.5:
@@ -3783,7 +3880,7 @@ class _Worker:
         from django_redis_mutex import semaphore
 
         spec, hold, ttl = self.semaphore, self.hold(rng), self.permit_ttl(rng)
-        context = semaphore(spec.name, SEMAPHORE_LIMIT, using=spec.usings[0], ttl=ttl)
+        context = semaphore(spec.name, SEMAPHORE_LIMIT, using=self.sem_using(rng), ttl=ttl)
         with self.attempt(spec) as rec:
             called = now_ns()
             async with context as sem:
@@ -3823,11 +3920,11 @@ class _Worker:
             # Half with a long lease: a permit left to nobody stays long enough to be seen.
             ttl = LINGER_TTL if rng.random() < 0.5 else self.ttl
             spec, permit = self.semaphore, True
-            handle = Semaphore(spec.name, SEMAPHORE_LIMIT, using=spec.usings[0], ttl=ttl)
+            handle = Semaphore(spec.name, SEMAPHORE_LIMIT, using=self.sem_using(rng), ttl=ttl)
         else:
             spec, using = (self.linger, self.linger.usings[0]) if target < 0.55 else self.pick(rng)
             ttl, permit = (LINGER_TTL if spec is self.linger else self.ttl), False
-            shared = self.share(rng, spec)
+            shared = self.share(rng)
             if way == "with":
                 handle = mutex(spec.name, using=using, shared=shared, ttl=ttl)
             else:
@@ -3974,31 +4071,43 @@ class _Worker:
                 self.journal.write("outcome", b=rec.body, result="cancelled", detail="")
             raise
 
-    async def cancel_in_sleep(self, delay: float) -> None:
-        """Take the linger lock and a long permit just as Redis falls asleep, and cancel both.
+    async def cancel_in_sleep(self, delay: float, takes: list[str]) -> None:
+        """Take the linger lock, a long permit or both just as Redis falls asleep, and cancel them.
 
-        The nemesis starts a DEBUG SLEEP longer than twice the socket timeout
-        ``delay`` seconds from now: each acquisition's script is then in
-        flight when the cancel lands, its reply times out, and so does the
-        give-back that follows (Redis is still asleep), while Redis, once
-        awake, runs the acquisition it had read. What it granted must still be
-        given back; the orphan rule checks it (see _Checker.check_children).
+        ``takes`` says which live on the Redis falling asleep ("lock",
+        "permit"). The nemesis starts a DEBUG SLEEP longer than twice the
+        socket timeout ``delay`` seconds from now: each acquisition's script is
+        then in flight when the cancel lands (on the quorum, its request to the
+        sleeping master), its reply times out, and so does the give-back that
+        follows (Redis is still asleep), while Redis, once awake, runs the
+        acquisition it had read. What it granted must still be given back; the
+        orphan rule checks it (see _Checker.check_children). A sleeping quorum
+        master grants a copy of the permit on its own, which is no permit (see
+        Nemesis._note_partial_permits).
         """
         from django_redis_mutex import Semaphore, mutex
 
         await asyncio.sleep(delay)
         lock, sem = self.linger, self.semaphore
-        try:
-            await asyncio.gather(
+        children = []
+        if "lock" in takes:
+            children.append(
                 self.cancel_one(
                     lock, mutex(lock.name, using=lock.usings[0], ttl=LINGER_TTL), "with",
                     0.05, LINGER_TTL, False, False, "waiting", True, 2, 0.1,
-                ),
-                self.cancel_one(
-                    sem, Semaphore(sem.name, SEMAPHORE_LIMIT, using=sem.usings[0], ttl=LINGER_TTL),
-                    "acquire", 0.05, LINGER_TTL, False, True, "waiting", False, 1, 0.15,
-                ),
+                )
             )  # fmt: skip
+        if "permit" in takes:
+            using = _using(sem.usings[0])
+            permit = Semaphore(sem.name, SEMAPHORE_LIMIT, using=using, ttl=LINGER_TTL)
+            children.append(
+                self.cancel_one(
+                    sem, permit, "acquire",
+                    0.05, LINGER_TTL, False, True, "waiting", False, 1, 0.15,
+                )
+            )  # fmt: skip
+        try:
+            await asyncio.gather(*children)
         except Exception as exc:
             self.journal.write(
                 "unexpected",
@@ -4034,8 +4143,9 @@ class _Worker:
             elif kind == "nested-reset":
                 self.start_scenario(self.nested_reset, command)
             elif kind == "cancel-in-sleep":
+                takes = list(command.get("takes") or ("lock", "permit"))
                 self._background.add(
-                    asyncio.ensure_future(self.cancel_in_sleep(float(command["delay"])))
+                    asyncio.ensure_future(self.cancel_in_sleep(float(command["delay"]), takes))
                 )
 
     def stall(

@@ -7,6 +7,7 @@ import copy
 import os
 import threading
 from collections.abc import Iterator
+from typing import Any
 
 import pytest
 import redis
@@ -20,9 +21,11 @@ from django_redis_mutex import (
     Mutex,
     held_locks,
     mutex,
+    signals,
 )
 from django_redis_mutex.testing import RedisServer
 
+from .testapp.models import Counter
 from .topologies import redis_servers
 
 ALIASES = ["r1", "r2", "r3"]
@@ -232,6 +235,43 @@ def test_a_quorum_lock_inside_a_transaction_is_kept_until_it_ends(
             pass
         assert not free_for_others(), "the quorum lock went back before the COMMIT"
     assert free_for_others()
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_quorum_lock_lost_as_its_block_ends_in_a_transaction_rolls_the_transaction_back(
+    quorum_caches: list[RedisServer],
+) -> None:
+    # The loss lands after the exit chose to keep the lock for the transaction
+    # and before it returned: two masters stop answering, the watchdog
+    # declares the lock lost, and the exit's mark still reaches the third.
+    # The block must not exit cleanly (here its give-back cannot be confirmed
+    # either), so that the transaction rolls back instead of committing on a
+    # lock another owner may hold by now.
+    lost = threading.Event()
+
+    def on_lost(sender: Any, **kwargs: Any) -> None:
+        lost.set()
+
+    def stall(sender: Any, **kwargs: Any) -> None:
+        quorum_caches[1].pause()
+        quorum_caches[2].pause()
+        assert lost.wait(5), "the watchdog never declared the lock lost"
+
+    signals.lock_lost.connect(on_lost)
+    signals.lock_held_for_transaction.connect(stall)
+    try:
+        with (
+            pytest.raises(LockBackendUnavailable, match="release"),
+            transaction.atomic(),
+            Mutex("inventory", using="locks", ttl=0.6),
+        ):
+            Counter.objects.create(name="inventory")
+    finally:
+        signals.lock_held_for_transaction.disconnect(stall)
+        signals.lock_lost.disconnect(on_lost)
+        quorum_caches[1].resume()
+        quorum_caches[2].resume()
+    assert not Counter.objects.filter(name="inventory").exists()
 
 
 @pytest.mark.parametrize("plain_first", [True, False], ids=["plain-first", "quorum-first"])

@@ -8,6 +8,10 @@ it is taken on a member alone or on the quorum.
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
+import time
+
 import pytest
 import redis
 
@@ -144,3 +148,44 @@ def test_a_quorum_semaphore_of_two_needs_every_master_and_says_so(
         assert all(holders_on(server, held) == {held.token} for server in live)
         assert held.owned() and 0 < held.time_left() <= 30
         assert held.locked() and (owner := held.owner()) is not None and owner.pid > 0
+
+
+def held_on(server: RedisServer, handle: Mutex) -> bool:
+    """Return True if ``handle``'s lock (or semaphore) hash exists on one master."""
+    client = redis.Redis(port=server.port)
+    try:
+        return bool(client.exists(handle._keys_on("r1").lock))
+    finally:
+        client.close()
+
+
+@pytest.mark.parametrize("kind", ["exclusive", "shared", "permit"])
+def test_an_async_release_cancelled_as_it_fans_out_still_reaches_every_master(
+    quorum_caches: list[RedisServer],  # noqa: F811
+    kind: str,
+) -> None:
+    # On one Redis the release script is written before the first await, so a
+    # cancel finds it sent; on a quorum the requests go out from tasks of their
+    # own, which a cancel must not cut before they start.
+    held = (
+        Semaphore("fan", 2, using=ALIASES)
+        if kind == "permit"
+        else Mutex("fan", using=ALIASES, shared=kind == "shared")
+    )
+
+    async def main() -> list[bool]:
+        assert await held.aacquire()
+        release = asyncio.ensure_future(held.arelease())
+        await asyncio.sleep(0)  # the release has begun to fan out
+        release.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await release
+        deadline = time.monotonic() + 2.0
+        while time.monotonic() < deadline:
+            left = [held_on(server, held) for server in quorum_caches]
+            if not any(left):
+                break
+            await asyncio.sleep(0.02)
+        return left
+
+    assert asyncio.run(main()) == [False, False, False]
