@@ -333,7 +333,7 @@ def test_superuser_resets_a_semaphore_in_browser(playwright_api, live_server, ad
 
     fresh = permit("exports:pool", 1, "after the reset")  # the permit is free again
     assert fresh.token is not None
-    with pytest.raises(LockLost):
+    with pytest.raises(LockNotOwned):
         holder.release()
     entry = LogEntry.objects.get()
     assert (entry.object_repr, entry.action_flag) == ("exports:pool", CHANGE)

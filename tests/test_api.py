@@ -901,8 +901,9 @@ def test_clients_forgotten_when_caches_change_leave_no_open_socket_behind():
     from django_redis_mutex.client import clear_clients, get_blocking_client, get_client
 
     plain, blocking = get_client("default"), get_blocking_client("default", 1.0)
-    assert plain.ping() and blocking.ping()
     pools = [plain.connection_pool, blocking.connection_pool]
+    for pool in pools:  # one connected, idle connection each (no command: ACL users run this)
+        pool.release(pool.get_connection())
     assert all(pool._available_connections for pool in pools)
     clear_clients()
     assert [
