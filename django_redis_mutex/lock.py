@@ -576,11 +576,11 @@ class Mutex:
         hold.releasing = True
         self._levels.nest(hold)
         # Called while the failure propagates. Redis not answering may also
-        # mean the release never ran (dropped with its connection): the owner
-        # has left, so the background gives the lock back until Redis answers,
-        # unless the caller's own retry does first. A cancelled release is the
-        # caller's to retry.
-        if isinstance(sys.exc_info()[1], LockBackendUnavailable):
+        # mean the release never ran (dropped with its connection), and a
+        # cancel may have cut it before it was sent (its connection still being
+        # made): the owner has left, so the background gives the lock back
+        # until Redis answers, unless the caller's own retry does first.
+        if isinstance(sys.exc_info()[1], (LockBackendUnavailable, asyncio.CancelledError)):
             give_back_later(
                 f"{self.kind} {self.name!r} (fence {hold.fence})",
                 lambda: self._where.release_steps(hold),

@@ -37,6 +37,7 @@ from .helpers import (
     dedicated_redis,
     forget_scripts_but,
     script_parked,
+    wait_until,
 )
 
 
@@ -553,6 +554,28 @@ def test_an_acquisition_cancelled_again_while_it_stops_never_leaves_the_lock_to_
             await attempt(contended=i % 2 == 1)
 
     asyncio.run(main())
+
+
+def test_a_release_cancelled_before_it_was_sent_still_gives_the_lock_back() -> None:
+    # Taken in sync code, so this event loop's client has no connection yet:
+    # the cancel lands while the release connects, before its script is sent.
+    # Its owner is gone (as after `finally: await lock.arelease()` in a
+    # cancelled task), so nothing but the background may give the lock back.
+    held = Mutex("cancelled-release", ttl=30)
+    assert held.acquire()
+
+    async def main() -> None:
+        release = asyncio.ensure_future(held.arelease())
+        await asyncio.sleep(0)  # the release has begun
+        release.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await release
+
+    asyncio.run(main())
+    wait_until(
+        lambda: not [h for h in held_locks() if h.name == "cancelled-release"],
+        what="the lock given back, long before its 30 s lease ends",
+    )
 
 
 def test_a_waiter_cancelled_while_lengthening_its_hand_over_lease_gives_the_lock_back() -> None:
