@@ -44,7 +44,6 @@ __all__ = [
     "Each",
     "Fanned",
     "Pop",
-    "Read",
     "Script",
     "Sleep",
     "Steps",
@@ -118,20 +117,13 @@ class Pop(NamedTuple):
     longest: float  # the longest wait this acquisition ever asks for
 
 
-class Read(NamedTuple):
-    """Send one plain command (a read: HGET, TIME...) to one Redis; the answer is its reply."""
-
-    alias: str
-    command: tuple[Any, ...]
-
-
 class Sleep(NamedTuple):
     """Sleep locally (the last Redis timer tick before a holder's expiry, a quorum retry)."""
 
     seconds: float
 
 
-Op = Script | Each | Pop | Sleep | Acknowledged | Read
+Op = Script | Each | Pop | Sleep | Acknowledged
 Steps = Generator[Op, Any, T]
 
 # Answers that mean a master could not be asked (not that it refused).
@@ -187,8 +179,6 @@ def _do(op: Op) -> Any:
             client, op.script, op.keys, op.args, op.replicas, op.timeout
         )
         return sent, reply, acknowledged
-    if isinstance(op, Read):
-        return get_client(op.alias).execute_command(*op.command)
     time.sleep(op.seconds)
     return None
 
@@ -412,8 +402,6 @@ class AsyncDriver:
                 return sent, reply, acknowledged
             finally:
                 self.in_script = False
-        if isinstance(op, Read):
-            return await (await get_async_client(op.alias)).execute_command(*op.command)
         await asyncio.sleep(op.seconds)
         return None
 

@@ -145,7 +145,7 @@ def semaphore(
     name: str | Callable[..., str],
     limit: int,
     *,
-    using: str = "default",
+    using: str | Sequence[str] = "default",
     ttl: float = DEFAULT,
     timeout: float | None = DEFAULT,
     blocking: bool = DEFAULT,
