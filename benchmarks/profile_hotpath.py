@@ -92,6 +92,7 @@ def _server_us(client: redis.Redis, cycle: Callable[[], None], cycles: int) -> f
 def layers(url: str, slices: int = 25, per_slice: int = 200) -> dict[str, Any]:
     """Time each layer in alternating slices; return medians and the breakdown."""
     from django_redis_mutex import Mutex, scripts
+    from django_redis_mutex.acquisition import start
     from django_redis_mutex.client import get_client
 
     plain = redis.Redis.from_url(url)
@@ -113,7 +114,7 @@ def layers(url: str, slices: int = 25, per_slice: int = 200) -> dict[str, Any]:
 
     def bare_scripts(client: redis.Redis) -> Callable[[], None]:
         def cycle() -> None:
-            attempt = handle._start(True, 30)
+            attempt = start(handle, True, 30)
             client.evalsha(
                 scripts.ACQUIRE.sha, len(keys), *keys, *handle._acquire_args(attempt, True)
             )
@@ -223,6 +224,7 @@ def layers(url: str, slices: int = 25, per_slice: int = 200) -> dict[str, Any]:
 def lua_steps(url: str, calls: int = 1000, batches: int = 3) -> dict[str, float]:
     """Return the server µs per EVALSHA of the ACQUIRE fast path, built up step by step."""
     from django_redis_mutex import Mutex, scripts
+    from django_redis_mutex.acquisition import start
 
     client = redis.Redis.from_url(url)
     # The helpers every script of the engine starts with (their common prefix),
@@ -264,7 +266,7 @@ def lua_steps(url: str, calls: int = 1000, batches: int = 3) -> dict[str, float]
                 for lock in locks:
                     keys = lock.keys.script_keys
                     client.evalsha(
-                        sha, len(keys), *keys, *lock._acquire_args(lock._start(True, 30), True)
+                        sha, len(keys), *keys, *lock._acquire_args(start(lock, True, 30), True)
                     )
                 after = client.info("commandstats")["cmdstat_evalsha"]["usec"]
                 best = min(best, (after - before) / calls)

@@ -22,6 +22,7 @@ from typing import Any
 import redis
 
 from django_redis_mutex import Mutex, scripts
+from django_redis_mutex.acquisition import start
 from django_redis_mutex.driver import Pop, Steps, _do, run_steps
 
 from .helpers import wait_until
@@ -108,7 +109,7 @@ def test_a_lapsed_hand_over_is_not_taken_for_a_new_one(raw: redis.Redis) -> None
     holder = Mutex("lapsed", timeout=10, ttl=0.5, watchdog=False)
     assert holder.acquire()
     waiter = Mutex("lapsed", timeout=10, ttl=0.5, watchdog=False)
-    attempt = waiter._start(True, 10)
+    attempt = start(waiter, True, 10)
     token = attempt.token
     steps = waiter._where.acquire_steps(attempt)
     pop = drive_until(steps, Pop)  # queued behind the holder, about to block

@@ -60,13 +60,16 @@ class PausedBeforeSending(Mutex):
         super().__init__(name, **options)
         self.arrived = {thread: threading.Event() for thread in paused}
         self.go = {thread: threading.Event() for thread in paused}
+        acquire_steps = self._where.acquire_steps
 
-    def _acquisition_steps(self, *args: Any, **kwargs: Any) -> Any:
-        thread = threading.current_thread().name
-        if thread in self.go:
-            self.arrived[thread].set()
-            assert self.go[thread].wait(10), f"{thread} was never let go"
-        return (yield from super()._acquisition_steps(*args, **kwargs))
+        def paused_steps(*args: Any, **kwargs: Any) -> Any:
+            thread = threading.current_thread().name
+            if thread in self.go:
+                self.arrived[thread].set()
+                assert self.go[thread].wait(10), f"{thread} was never let go"
+            return (yield from acquire_steps(*args, **kwargs))
+
+        self._where.acquire_steps = paused_steps  # type: ignore[method-assign]
 
 
 def held_by() -> str | None:

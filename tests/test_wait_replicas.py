@@ -32,6 +32,7 @@ from django_redis_mutex import (
     mutex,
     semaphore,
 )
+from django_redis_mutex.acquisition import start
 from django_redis_mutex.checks import check_mutex_settings
 from django_redis_mutex.conf import parse_settings
 from django_redis_mutex.driver import Acknowledged, Script
@@ -440,7 +441,7 @@ def test_async_sentinel_lock_without_replicas_is_given_back(sentinel_lock: Senti
 def test_off_by_default_sends_the_plain_script() -> None:
     lock = Mutex("report")
     assert lock.settings.wait_replicas == 0
-    steps = lock._where.acquire_steps(lock._start(False, None))
+    steps = lock._where.acquire_steps(start(lock, False, None))
     try:
         first = next(steps)
     finally:
