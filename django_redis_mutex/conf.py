@@ -9,9 +9,10 @@ from __future__ import annotations
 
 import math
 import re
+from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import cache
-from typing import Any
+from typing import Any, TypedDict
 
 from django.core.exceptions import ImproperlyConfigured
 from django.core.signals import setting_changed
@@ -20,6 +21,7 @@ from django.dispatch import receiver
 __all__ = [
     "DEFAULT",
     "DEFAULTS",
+    "LockOptions",
     "MutexSettings",
     "get_settings",
     "refuse_timeout_without_blocking",
@@ -37,6 +39,24 @@ class _Default:
 
 
 DEFAULT: Any = _Default()
+
+
+class LockOptions(TypedDict, total=False):
+    """The keyword arguments of ``Mutex``, ``mutex()``, ``Semaphore`` and ``semaphore()``.
+
+    Each is described on :class:`~django_redis_mutex.Mutex`; one left out
+    takes the cache alias's ``MUTEX`` default.
+    """
+
+    using: str | Sequence[str]
+    ttl: float
+    timeout: float | None
+    blocking: bool
+    watchdog: bool
+    reentrant: bool
+    label: str | None
+    release_at_block_end: bool
+
 
 DEFAULTS: dict[str, Any] = {
     "TTL": 30,

@@ -17,14 +17,23 @@ import logging
 import string
 import threading
 from collections.abc import Callable, Sequence
-from typing import Any, Generic, Literal, TypeVar, cast
+from typing import TYPE_CHECKING, Any, Generic, Literal, TypeVar, cast
 
 from .atomic_requests import RequestTransactions
-from .conf import refuse_timeout_without_blocking, validate_flag, validate_timeout, validate_ttl
+from .conf import (
+    LockOptions,
+    refuse_timeout_without_blocking,
+    validate_flag,
+    validate_timeout,
+    validate_ttl,
+)
 from .exceptions import LockContended
 from .holds import current_owner
 from .keys import validate_label, validate_name
 from .lock import DEFAULT, Mutex
+
+if TYPE_CHECKING:
+    from typing_extensions import Unpack
 
 __all__ = ["MutexContext", "mutex", "skip_if_locked"]
 
@@ -333,23 +342,14 @@ class MutexContext:
 
 
 def mutex(
-    name: str | Callable[..., str],
-    *,
-    using: str | Sequence[str] = "default",
-    ttl: float = DEFAULT,
-    timeout: float | None = DEFAULT,
-    blocking: bool = DEFAULT,
-    watchdog: bool = DEFAULT,
-    reentrant: bool = True,
-    label: str | None = None,
-    shared: bool = False,
-    release_at_block_end: bool = False,
+    name: str | Callable[..., str], *, shared: bool = False, **options: Unpack[LockOptions]
 ) -> MutexContext:
     """Guard a block or a function with the distributed lock ``name``.
 
     Use it as ``with mutex("inventory") as lock:``, ``async with ...``, or as
     ``@mutex("order:{order_id}")`` on a sync or async function, view or method.
-    Arguments left out take the cache alias's ``MUTEX`` defaults. Raise
+    The keyword arguments are :class:`Mutex`'s; those left out take the cache
+    alias's ``MUTEX`` defaults. Raise
     LockContended when the lock cannot be acquired in time, LockLost when the
     hold was lost while a successful body ran, and LockBackendUnavailable when
     Redis cannot be reached (unless the alias is FAIL_OPEN).
@@ -365,18 +365,7 @@ def mutex(
     view under ``ATOMIC_REQUESTS`` the lock is taken before the request's
     transaction begins and given back after it ends.
     """
-    return MutexContext(
-        name,
-        using=using,
-        ttl=ttl,
-        timeout=timeout,
-        blocking=blocking,
-        watchdog=watchdog,
-        reentrant=reentrant,
-        label=label,
-        shared=shared,
-        release_at_block_end=release_at_block_end,
-    )
+    return MutexContext(name, shared=shared, **options)
 
 
 def skip_if_locked(

@@ -19,10 +19,11 @@ Signals are the lock's, with ``kind="semaphore"`` among their arguments.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
-from typing import Any
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
 
 from .client import namespace
+from .conf import LockOptions
 from .decorators import MutexContext
 
 # Listed and reset with the locks, by the same functions; importable from here too.
@@ -34,7 +35,10 @@ from .introspection import (
     semaphore_lines,
 )
 from .keys import LockKeys
-from .lock import DEFAULT, Mutex
+from .lock import Mutex
+
+if TYPE_CHECKING:
+    from typing_extensions import Unpack
 
 __all__ = [
     "HeldSemaphore",
@@ -80,35 +84,11 @@ class Semaphore(Mutex):
     kind = "semaphore"
     _kind_signal = {"kind": "semaphore"}
 
-    def __init__(
-        self,
-        name: str,
-        limit: int,
-        *,
-        using: str | Sequence[str] = "default",
-        ttl: float = DEFAULT,
-        timeout: float | None = DEFAULT,
-        blocking: bool = DEFAULT,
-        watchdog: bool = DEFAULT,
-        reentrant: bool = True,
-        label: str | None = None,
-        release_at_block_end: bool = False,
-    ) -> None:
+    def __init__(self, name: str, limit: int, **options: Unpack[LockOptions]) -> None:
         #: How many holders may hold this semaphore at once.
         self.limit: int = validate_limit(limit)
         self._limit_args = (self.limit,)
-        super().__init__(
-            name,
-            using=using,
-            ttl=ttl,
-            timeout=timeout,
-            blocking=blocking,
-            watchdog=watchdog,
-            reentrant=reentrant,
-            label=label,
-            shared=True,
-            release_at_block_end=release_at_block_end,
-        )
+        super().__init__(name, shared=True, **options)
 
     def __repr__(self) -> str:
         return f"<Semaphore {self.name!r} limit={self.limit} using={self._using_shown()!r}>"
@@ -142,17 +122,7 @@ class SemaphoreContext(MutexContext):
 
 
 def semaphore(
-    name: str | Callable[..., str],
-    limit: int,
-    *,
-    using: str | Sequence[str] = "default",
-    ttl: float = DEFAULT,
-    timeout: float | None = DEFAULT,
-    blocking: bool = DEFAULT,
-    watchdog: bool = DEFAULT,
-    reentrant: bool = True,
-    label: str | None = None,
-    release_at_block_end: bool = False,
+    name: str | Callable[..., str], limit: int, **options: Unpack[LockOptions]
 ) -> SemaphoreContext:
     """Let at most ``limit`` holders of ``name`` run a block or a function at once.
 
@@ -164,15 +134,4 @@ def semaphore(
     the transaction ends, unless ``release_at_block_end=True`` (see
     :doc:`transactions`).
     """
-    return SemaphoreContext(
-        name,
-        limit,
-        using=using,
-        ttl=ttl,
-        timeout=timeout,
-        blocking=blocking,
-        watchdog=watchdog,
-        reentrant=reentrant,
-        label=label,
-        release_at_block_end=release_at_block_end,
-    )
+    return SemaphoreContext(name, limit, **options)

@@ -37,6 +37,8 @@ extensions = [
 exclude_patterns = ["_build", "_ext"]
 autodoc_member_order = "bysource"
 autodoc_typehints = "description"
+# The keyword arguments mutex(), Semaphore and semaphore() share with Mutex.
+autodoc_type_aliases = {"LockOptions": "django_redis_mutex.conf.LockOptions"}
 autodoc_default_options = {"members": True, "show-inheritance": True}
 html_theme = "furo"
 html_static_path = ["_static"]
