@@ -12,7 +12,7 @@ import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import cache
-from typing import Any, TypedDict
+from typing import Any, TypedDict, TypeVar
 
 from django.core.exceptions import ImproperlyConfigured
 from django.core.signals import setting_changed
@@ -23,12 +23,16 @@ __all__ = [
     "DEFAULTS",
     "LockOptions",
     "MutexSettings",
+    "check_bounds",
     "get_settings",
     "refuse_timeout_without_blocking",
     "validate_flag",
     "validate_timeout",
     "validate_ttl",
 ]
+
+
+T = TypeVar("T", int, float)
 
 
 class _Default:
@@ -86,7 +90,7 @@ DEFAULTS: dict[str, Any] = {
 }
 
 # A lease longer than a year is a bug in the caller, not a lock.
-MAX_TTL = 365 * 24 * 3600.0
+MAX_TTL = 365 * 24 * 3600  # seconds (a year)
 _PREFIX_RE = re.compile(r"^[A-Za-z0-9_.:\-]+$")
 
 
@@ -124,11 +128,16 @@ def validate_ttl(value: object, *, what: str = "ttl") -> float:
     ttl = float(value)  # type: ignore[arg-type]
     if math.isnan(ttl) or math.isinf(ttl):
         raise ValueError(f"{what} must be a finite number of seconds, not {ttl}.")
-    if ttl < 0.001:
-        raise ValueError(f"{what} must be at least 0.001 seconds, got {value!r}.")
-    if ttl > MAX_TTL:
-        raise ValueError(f"{what} must be at most {int(MAX_TTL)} seconds (a year), got {value!r}.")
-    return ttl
+    return check_bounds(what, ttl, 0.001, MAX_TTL, value, " seconds")
+
+
+def check_bounds(what: str, value: T, low: float, high: float, given: object, unit: str = "") -> T:
+    """Return ``value`` if it lies within ``low`` and ``high``, else raise a ValueError."""
+    if value < low:
+        raise ValueError(f"{what} must be at least {low}{unit}, got {given!r}.")
+    if value > high:
+        raise ValueError(f"{what} must be at most {high}{unit}, got {given!r}.")
+    return value
 
 
 def validate_flag(what: str, value: object) -> bool:

@@ -23,7 +23,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from .client import namespace
-from .conf import LockOptions
+from .conf import LockOptions, check_bounds
 from .decorators import MutexContext
 
 # Listed and reset with the locks, by the same functions; importable from here too.
@@ -60,11 +60,7 @@ def validate_limit(limit: object) -> int:
     """Return ``limit`` if it is a usable number of permits, else raise TypeError/ValueError."""
     if isinstance(limit, bool) or not isinstance(limit, int):
         raise TypeError(f"Semaphore limit must be an int, not {type(limit).__name__}.")
-    if limit < 1:
-        raise ValueError(f"Semaphore limit must be at least 1, got {limit}.")
-    if limit > MAX_LIMIT:
-        raise ValueError(f"Semaphore limit must be at most {MAX_LIMIT}, got {limit}.")
-    return limit
+    return check_bounds("Semaphore limit", limit, 1, MAX_LIMIT, limit)
 
 
 class Semaphore(Mutex):
