@@ -320,8 +320,7 @@ class MutexContext:
                 name = self.name_for(func, args, kwargs)
                 if not name:
                     return await func(*args, **kwargs)
-                async with self._handle(name):
-                    return await func(*args, **kwargs)
+                return await self._acall(name, func, args, kwargs)
 
             return cast(F, _same_signature(async_inner, func))
 
@@ -334,11 +333,27 @@ class MutexContext:
             name = self.name_for(func, args, kwargs)
             if not name:
                 return func(*args, **kwargs)
-            with self._handle(name), transactions.opened(args):
-                return func(*args, **kwargs)
+            return self._call(name, transactions, func, args, kwargs)
 
         transactions.mark(inner)
         return cast(F, _same_signature(inner, func))
+
+    def _call(
+        self,
+        name: str,
+        transactions: RequestTransactions,
+        func: Callable[..., Any],
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+    ) -> Any:
+        with self._handle(name), transactions.opened(args):
+            return func(*args, **kwargs)
+
+    async def _acall(
+        self, name: str, func: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> Any:
+        async with self._handle(name):
+            return await func(*args, **kwargs)
 
 
 def mutex(
@@ -395,7 +410,7 @@ def skip_if_locked(
             "skip_if_locked() needs a timeout in seconds (0 gives up at once); "
             "to wait as long as it takes, use mutex()."
         )
-    context = MutexContext(
+    return _SkipWhileHeld(
         name,
         using=using,
         ttl=ttl,
@@ -406,57 +421,51 @@ def skip_if_locked(
         label=label,
     )
 
-    def skipped(func: Callable[..., Any], busy: LockContended) -> None:
-        holder = f" by {busy.owner}" if busy.owner else ""
-        logger.info(
-            "Skipped %s: lock %r is held%s.", getattr(func, "__qualname__", func), busy.name, holder
-        )
 
-    def decorate(func: F) -> F:
-        _refuse_task_object(func, "skip_if_locked()")
-        if not callable(func):
-            raise TypeError(f"skip_if_locked() decorates a callable, not {type(func).__name__}.")
+class _SkipWhileHeld(MutexContext):
+    """What :func:`skip_if_locked` returns: ``@mutex`` that skips a call instead of waiting on."""
+
+    _factory = "skip_if_locked()"
+
+    def __call__(self, func: F) -> F:
         if inspect.isgeneratorfunction(func) or inspect.isasyncgenfunction(func):
             raise TypeError(
                 "skip_if_locked() decorates a function that returns, not a generator: "
                 "a skipped generator would look like an empty one. Use mutex()."
             )
-        if inspect.iscoroutinefunction(func):
+        return super().__call__(func)
 
-            @functools.wraps(func)
-            async def async_inner(*args: Any, **kwargs: Any) -> Any:
-                name = context.name_for(func, args, kwargs)
-                if not name:
-                    return await func(*args, **kwargs)
-                async with contextlib.AsyncExitStack() as stack:
-                    try:
-                        await stack.enter_async_context(context._handle(name))
-                    except LockContended as busy:
-                        skipped(func, busy)
-                        return None
-                    return await func(*args, **kwargs)
+    def _call(
+        self,
+        name: str,
+        transactions: RequestTransactions,
+        func: Callable[..., Any],
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+    ) -> Any:
+        with contextlib.ExitStack() as stack:
+            # Only the acquisition's own LockContended means "skip".
+            try:
+                stack.enter_context(self._handle(name))
+            except LockContended as busy:
+                return _skipped(func, busy)
+            # As mutex(): a view's request transaction begins inside the lock.
+            stack.enter_context(transactions.opened(args))
+            return func(*args, **kwargs)
 
-            return cast(F, _same_signature(async_inner, func))
+    async def _acall(
+        self, name: str, func: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> Any:
+        async with contextlib.AsyncExitStack() as stack:
+            try:
+                await stack.enter_async_context(self._handle(name))
+            except LockContended as busy:
+                return _skipped(func, busy)
+            return await func(*args, **kwargs)
 
-        transactions = RequestTransactions(func)
 
-        @functools.wraps(func)
-        def inner(*args: Any, **kwargs: Any) -> Any:
-            name = context.name_for(func, args, kwargs)
-            if not name:
-                return func(*args, **kwargs)
-            with contextlib.ExitStack() as stack:
-                # Only the acquisition's own LockContended means "skip".
-                try:
-                    stack.enter_context(context._handle(name))
-                except LockContended as busy:
-                    skipped(func, busy)
-                    return None
-                # As mutex(): a view's request transaction begins inside the lock.
-                stack.enter_context(transactions.opened(args))
-                return func(*args, **kwargs)
-
-        transactions.mark(inner)
-        return cast(F, _same_signature(inner, func))
-
-    return decorate
+def _skipped(func: Callable[..., Any], busy: LockContended) -> None:
+    holder = f" by {busy.owner}" if busy.owner else ""
+    logger.info(
+        "Skipped %s: lock %r is held%s.", getattr(func, "__qualname__", func), busy.name, holder
+    )
