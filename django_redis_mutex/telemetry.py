@@ -21,7 +21,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from functools import cache, wraps
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from django.core.exceptions import ImproperlyConfigured
 from django.core.signals import setting_changed
@@ -30,10 +30,6 @@ from django.dispatch import Signal, receiver
 from . import signals
 from .conf import get_settings, parse_settings
 from .signals import ReceiverGroup
-
-if TYPE_CHECKING:
-    from opentelemetry.metrics import Counter, Histogram, UpDownCounter
-    from opentelemetry.trace import Tracer
 
 __all__ = [
     "SPAN_NAME",
@@ -60,56 +56,53 @@ BUCKETS = (
 )
 
 
-@dataclass(frozen=True)
 class _Instruments:
-    tracer: Tracer
-    wait: Histogram
-    hold: Histogram
-    contended: Counter
-    lost: Counter
-    waiters: UpDownCounter
+    """The tracer and the instruments, from the global providers."""
+
+    def __init__(self) -> None:
+        from opentelemetry import metrics, trace
+
+        from . import __version__
+
+        meter = metrics.get_meter("django_redis_mutex", __version__)
+        self.tracer = trace.get_tracer("django_redis_mutex", __version__)
+        self.wait = meter.create_histogram(
+            "mutex.wait.duration",
+            unit="s",
+            description="Time an acquisition took, waiting included, by outcome.",
+            explicit_bucket_boundaries_advisory=BUCKETS,
+        )
+        self.hold = meter.create_histogram(
+            "mutex.hold.duration",
+            unit="s",
+            description="Time a lock was held, from acquisition to release.",
+            explicit_bucket_boundaries_advisory=BUCKETS,
+        )
+        self.contended = meter.create_counter(
+            "mutex.contended",
+            unit="{acquisition}",
+            description="Acquisitions that gave up because the lock stayed held.",
+        )
+        self.lost = meter.create_counter(
+            "mutex.lost",
+            unit="{hold}",
+            description="Holds lost before release: expired, reset or taken.",
+        )
+        self.waiters = meter.create_up_down_counter(
+            "mutex.waiters",
+            unit="{waiter}",
+            description="Acquisitions of this process waiting for a held lock right now.",
+        )
 
 
 @cache
 def _instruments() -> _Instruments | None:
     """Return the tracer and instruments, or None when opentelemetry-api is not installed."""
     try:
-        from opentelemetry import metrics, trace
+        from opentelemetry import metrics, trace  # noqa: F401
     except ImportError:
         return None
-    from . import __version__
-
-    meter = metrics.get_meter("django_redis_mutex", __version__)
-    return _Instruments(
-        tracer=trace.get_tracer("django_redis_mutex", __version__),
-        wait=meter.create_histogram(
-            "mutex.wait.duration",
-            unit="s",
-            description="Time an acquisition took, waiting included, by outcome.",
-            explicit_bucket_boundaries_advisory=BUCKETS,
-        ),
-        hold=meter.create_histogram(
-            "mutex.hold.duration",
-            unit="s",
-            description="Time a lock was held, from acquisition to release.",
-            explicit_bucket_boundaries_advisory=BUCKETS,
-        ),
-        contended=meter.create_counter(
-            "mutex.contended",
-            unit="{acquisition}",
-            description="Acquisitions that gave up because the lock stayed held.",
-        ),
-        lost=meter.create_counter(
-            "mutex.lost",
-            unit="{hold}",
-            description="Holds lost before release: expired, reset or taken.",
-        ),
-        waiters=meter.create_up_down_counter(
-            "mutex.waiters",
-            unit="{waiter}",
-            description="Acquisitions of this process waiting for a held lock right now.",
-        ),
-    )
+    return _Instruments()
 
 
 def available() -> bool:
