@@ -297,11 +297,9 @@ class RedisServer(_Throwaway):
 
         admin: Any = redis.Redis(port=self.port)  # redis-py leaves execute_command untyped
         try:
-            version = str(admin.info("server")["redis_version"])
-            major, minor = (int(part) for part in version.split(".")[:2])
-            rules = lock_acl_rules(
-                key_pattern, cluster=cluster, client_setinfo=(major, minor) >= (7, 2)
-            )
+            version = str(admin.info("server")["redis_version"]).split(".")
+            setinfo = (int(version[0]), int(version[1])) >= (7, 2)
+            rules = lock_acl_rules(key_pattern, cluster=cluster, client_setinfo=setinfo)
             admin.execute_command("ACL", "SETUSER", username, "reset", "on", f">{password}", *rules)
         finally:
             admin.close()
@@ -309,9 +307,7 @@ class RedisServer(_Throwaway):
         return f"redis://{credentials}@127.0.0.1:{self.port}/0"
 
     def _signal(self, signum: int, timeout: float = 10.0) -> None:
-        if self.process is None:
-            return
-        if self.process.poll() is None:
+        if self.process is not None and self.process.poll() is None:
             self.process.send_signal(signum)
             try:
                 self.process.wait(timeout)
