@@ -20,7 +20,7 @@ import time
 from collections.abc import Mapping
 from itertools import pairwise
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any
 
 __all__ = [
     "CLUSTER_COMMANDS",
@@ -176,26 +176,7 @@ def _options(options: Mapping[str, object]) -> list[str]:
     return [arg for name, value in options.items() for arg in (f"--{name}", str(value))]
 
 
-_Started = TypeVar("_Started", bound="_Throwaway")
-
-
-class _Throwaway:
-    """A ``with`` block starts it and closes it at the end, whatever happens inside."""
-
-    def start(self: _Started) -> _Started:
-        raise NotImplementedError
-
-    def close(self) -> None:
-        raise NotImplementedError
-
-    def __enter__(self: _Started) -> _Started:
-        return self.start()
-
-    def __exit__(self, *exc_info: object) -> None:
-        self.close()
-
-
-class RedisServer(_Throwaway):
+class RedisServer:
     """One private redis-server process on 127.0.0.1.
 
     ``start()``, ``stop()`` (SIGTERM), ``kill()`` (SIGKILL) and ``restart()``
@@ -344,8 +325,14 @@ class RedisServer(_Throwaway):
         self.stop()
         shutil.rmtree(self._dir, ignore_errors=True)
 
+    def __enter__(self) -> RedisServer:
+        return self.start()
 
-class RedisClusterServers(_Throwaway):
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+
+class RedisClusterServers:
     """A throwaway Redis Cluster of ``primaries`` nodes on loopback, with ``replicas`` each.
 
     Slots are split evenly with CLUSTER ADDSLOTS and the nodes joined with
@@ -464,3 +451,9 @@ class RedisClusterServers(_Throwaway):
         for node in self.all_nodes:
             node.resume()  # a node a test froze with SIGSTOP still stops cleanly
             node.close()
+
+    def __enter__(self) -> RedisClusterServers:
+        return self.start()
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
