@@ -56,6 +56,17 @@ from typing import Any, TypeVar
 
 from django.dispatch import Signal
 
+# The signals. ReceiverGroup is the app's own plumbing, left out of the API docs.
+__all__ = [
+    "lock_acquired",
+    "lock_contended",
+    "lock_held_for_transaction",
+    "lock_lost",
+    "lock_released",
+    "lock_unavailable",
+    "lock_waiting",
+]
+
 _Receiver = TypeVar("_Receiver", bound=Callable[..., Any])
 
 lock_acquired = Signal()
