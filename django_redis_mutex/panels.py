@@ -190,11 +190,9 @@ class LocksPanel(Panel):
         stats: dict[str, Any] = self.get_stats()  # type: ignore[no-untyped-call]
         count = len(stats.get("locks", ()))
         subtitle = ngettext("%(count)d lock", "%(count)d locks", count) % {"count": count}
-        contended = stats.get("contended", 0)
-        if contended:
+        if contended := stats.get("contended", 0):
             subtitle += ", " + _("%(count)d contended") % {"count": contended}
-        waited = stats.get("waited", 0.0)
-        if waited:
+        if waited := stats.get("waited", 0.0):
             subtitle += ", " + _("%(ms).1f ms waiting") % {"ms": waited}
         return subtitle
 
