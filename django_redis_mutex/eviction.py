@@ -24,7 +24,7 @@ disables it), the verdict says so instead of guessing.
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from django.core.exceptions import ImproperlyConfigured
@@ -154,14 +154,7 @@ def read_policy(client: Any, alias: str, *, stats: bool = False) -> EvictionPoli
         found[0] if found else EvictionPolicy(alias, maxmemory=0, policy=NO_EVICTION)
     )
     evicted = [int(server["evicted_keys"]) for server in counts if "evicted_keys" in server]
-    if evicted:
-        verdict = EvictionPolicy(
-            alias,
-            maxmemory=verdict.maxmemory,
-            policy=verdict.policy,
-            evicted_keys=sum(evicted),
-        )
-    return verdict
+    return replace(verdict, evicted_keys=sum(evicted)) if evicted else verdict
 
 
 # Kept across os.fork(): a child talks to the same servers as its parent.

@@ -21,15 +21,28 @@ from typing import Any
 from debug_toolbar.panels import Panel
 from django.dispatch import Signal
 from django.http import HttpRequest, HttpResponse
+from django.template.loader import render_to_string
 from django.utils.translation import gettext_lazy as _
 from django.utils.translation import ngettext
 
 from . import signals
 from .display import terminal_safe
+from .signals import ReceiverGroup
 
 __all__ = ["LocksPanel"]
 
-_UID = "django_redis_mutex.panels"
+# The column titles of the panel's two tables: the summary, and the locks.
+_SUMMARY_COLUMNS = (_("Acquisitions"), _("Contended"), _("Time waiting"), _("Time held"))
+_LOCK_COLUMNS = (
+    _("At"),
+    _("Lock"),
+    _("Cache"),
+    _("Outcome"),
+    _("Fence"),
+    _("Waited"),
+    _("Held"),
+    _("Detail"),
+)
 
 
 @dataclass
@@ -68,35 +81,12 @@ class _Record:
             )
         )
 
-    def end(
-        self,
-        alias: str,
-        name: str,
-        fence: int,
-        held: float,
-        *,
-        lost: bool,
-        databases: tuple[str, ...] = (),
-    ) -> None:
-        """Record the end of the hold ``fence`` of ``name``, if this request took it.
-
-        ``databases``: the transactions the lock was kept for after its block.
-        """
-        key = ("acquired", terminal_safe(alias), terminal_safe(name), fence)
-        for row in reversed(self.rows):
-            if row.held is None and (row.outcome, row.alias, row.name, row.fence) == key:
-                row.held = round(held * 1000, 2)
-                row.lost = lost
-                if databases:
-                    row.detail = terminal_safe(
-                        f"kept until its transaction on {', '.join(databases)} ended"
-                    )
-                return
-
 
 _current: ContextVar[_Record | None] = ContextVar("django_redis_mutex_panel", default=None)
+_RECEIVERS = ReceiverGroup("django_redis_mutex.panels")
 
 
+@_RECEIVERS.on(signals.lock_acquired)
 def _on_acquired(
     sender: str, name: str, fence: int, wait: float, shared: bool = False, **kwargs: Any
 ) -> None:
@@ -107,6 +97,7 @@ def _on_acquired(
         )
 
 
+@_RECEIVERS.on(signals.lock_contended)
 def _on_contended(
     sender: str,
     name: str,
@@ -128,6 +119,7 @@ def _on_contended(
         record.add("contended", sender, name, wait, detail=detail)
 
 
+@_RECEIVERS.on(signals.lock_unavailable)
 def _on_unavailable(
     sender: str, name: str, wait: float, error: BaseException, **kwargs: Any
 ) -> None:
@@ -136,26 +128,33 @@ def _on_unavailable(
         record.add("unavailable", sender, name, wait, detail=terminal_safe(str(error)))
 
 
-def _on_released(sender: str, name: str, fence: int, held: float, **kwargs: Any) -> None:
+@_RECEIVERS.on(signals.lock_released)
+@_RECEIVERS.on(signals.lock_lost)
+def _on_ended(
+    sender: str,
+    name: str,
+    fence: int,
+    held: float,
+    signal: Signal,
+    databases: tuple[str, ...] = (),
+    **kwargs: Any,
+) -> None:
+    """Record the end of the hold ``fence`` of ``name``, if this request took it.
+
+    ``databases``: the transactions the lock was kept for after its block.
+    """
     record = _current.get()
-    if record is not None:
-        databases = kwargs.get("databases") or ()
-        record.end(sender, name, fence, held, lost=False, databases=databases)
+    key = ("acquired", terminal_safe(sender), terminal_safe(name), fence)
+    for row in reversed(record.rows if record is not None else []):
+        if row.held is None and (row.outcome, row.alias, row.name, row.fence) == key:
+            row.held = round(held * 1000, 2)
+            row.lost = signal is signals.lock_lost
+            if databases:
+                row.detail = terminal_safe(
+                    f"kept until its transaction on {', '.join(databases)} ended"
+                )
+            return
 
-
-def _on_lost(sender: str, name: str, fence: int, held: float, **kwargs: Any) -> None:
-    record = _current.get()
-    if record is not None:
-        record.end(sender, name, fence, held, lost=True)
-
-
-_RECEIVERS: tuple[tuple[Signal, Any], ...] = (
-    (signals.lock_acquired, _on_acquired),
-    (signals.lock_contended, _on_contended),
-    (signals.lock_unavailable, _on_unavailable),
-    (signals.lock_released, _on_released),
-    (signals.lock_lost, _on_lost),
-)
 
 # Requests with this panel enabled in flight; the receivers are connected
 # only while there is one.
@@ -163,22 +162,15 @@ _listening = 0
 _listening_lock = threading.Lock()
 
 
-def _listen() -> None:
+def _listen(change: int) -> None:
+    """Count a request in (+1) or out (-1); connect for the first, disconnect after the last."""
     global _listening
     with _listening_lock:
-        _listening += 1
-        if _listening == 1:
-            for signal, receiver in _RECEIVERS:
-                signal.connect(receiver, dispatch_uid=_UID)
-
-
-def _stop_listening() -> None:
-    global _listening
-    with _listening_lock:
-        _listening -= 1
-        if _listening == 0:
-            for signal, _receiver in _RECEIVERS:
-                signal.disconnect(dispatch_uid=_UID)
+        _listening += change
+        if _listening == 1 and change > 0:
+            _RECEIVERS.connect()
+        elif _listening == 0:
+            _RECEIVERS.disconnect()
 
 
 class LocksPanel(Panel):
@@ -198,23 +190,27 @@ class LocksPanel(Panel):
         stats: dict[str, Any] = self.get_stats()  # type: ignore[no-untyped-call]
         count = len(stats.get("locks", ()))
         subtitle = ngettext("%(count)d lock", "%(count)d locks", count) % {"count": count}
-        contended = stats.get("contended", 0)
-        if contended:
+        if contended := stats.get("contended", 0):
             subtitle += ", " + _("%(count)d contended") % {"count": contended}
-        waited = stats.get("waited", 0.0)
-        if waited:
+        if waited := stats.get("waited", 0.0):
             subtitle += ", " + _("%(ms).1f ms waiting") % {"ms": waited}
         return subtitle
+
+    @property
+    def content(self) -> str:
+        stats = self.get_stats()  # type: ignore[no-untyped-call]
+        columns = {"summary_columns": _SUMMARY_COLUMNS, "lock_columns": _LOCK_COLUMNS}
+        return render_to_string(self.template, {**stats, **columns})
 
     def enable_instrumentation(self) -> None:
         if not self._listening:
             self._listening = True
-            _listen()
+            _listen(+1)
 
     def disable_instrumentation(self) -> None:
         if self._listening:
             self._listening = False
-            _stop_listening()
+            _listen(-1)
 
     def process_request(self, request: HttpRequest) -> Any:
         record = self._record = _Record(started=time.monotonic())

@@ -2,27 +2,8 @@
 
 Installed with the package and loaded by pytest through the ``pytest11`` entry
 point (turn it off with ``-p no:django_redis_mutex``). Nothing starts unless a
-test asks for a fixture:
-
-``redis_mutex_server``
-    Session-scoped: a private ``redis-server`` on a free loopback port (a
-    :class:`~django_redis_mutex.testing.RedisServer`), started by the first
-    test that needs it and stopped at the end of the session.
-``redis_mutex_cache``
-    Function-scoped: points the cache alias named by ``redis_mutex_cache_alias``
-    at that server for one test (an ``override_settings`` of ``CACHES``) and
-    returns the alias. When the test ends it deletes that alias's keys (those
-    of its locks and semaphores, and its cache entries), found with SCAN;
-    nothing else on the server is touched, and nothing is flushed.
-``redis_mutex_cache_alias``
-    ``"default"``; override it in a ``conftest.py`` to test another alias.
-
-The alias keeps what names its keys and how long they live (``KEY_PREFIX``,
-``VERSION``, ``KEY_FUNCTION``, ``TIMEOUT``) and its ``MUTEX`` lock defaults;
-``LOCATION`` and ``OPTIONS`` (address, password, Sentinel, TLS) are the
-throwaway server's, and ``QUORUM``/``CLUSTER`` are dropped, so the alias is
-one plain Redis. A cache that is not a Redis cache in the test settings (a
-``LocMemCache``, say) becomes a django-redis cache for the test.
+test asks for a fixture. :doc:`testing-your-code` shows them at work, and what
+an alias pointed at the throwaway server keeps of its own settings.
 
 .. versionadded:: 0.1
 """
@@ -49,7 +30,7 @@ _SCAN_BATCH = 500
 
 
 def _entry_on(server: RedisServer, entry: dict[str, Any]) -> dict[str, Any]:
-    """Return a CACHES entry like ``entry``, on ``server`` (see the module docstring)."""
+    """Return ``entry`` moved onto ``server``, keeping its key naming and lock defaults."""
     from .client import backend_kind
 
     backend = str(entry.get("BACKEND", ""))
@@ -84,14 +65,11 @@ def _delete_keys(server: RedisServer, patterns: list[str]) -> None:
     client = redis.Redis(port=server.port)
     try:
         for pattern in patterns:
-            batch: list[bytes] = []
-            for key in client.scan_iter(match=pattern, count=_SCAN_BATCH):
-                batch.append(key)
-                if len(batch) >= _SCAN_BATCH:
-                    client.unlink(*batch)
-                    batch = []
-            if batch:
-                client.unlink(*batch)
+            cursor = None
+            while cursor != 0:
+                cursor, keys = client.scan(cursor or 0, match=pattern, count=_SCAN_BATCH)
+                if keys:
+                    client.unlink(*keys)
     finally:
         client.close()
 

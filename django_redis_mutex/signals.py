@@ -49,7 +49,25 @@ A signal nobody listens to costs the lock nothing: the lock checks for
 receivers before building the arguments.
 """
 
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, TypeVar
+
 from django.dispatch import Signal
+
+# The signals. ReceiverGroup is the app's own plumbing, left out of the API docs.
+__all__ = [
+    "lock_acquired",
+    "lock_contended",
+    "lock_held_for_transaction",
+    "lock_lost",
+    "lock_released",
+    "lock_unavailable",
+    "lock_waiting",
+]
+
+_Receiver = TypeVar("_Receiver", bound=Callable[..., Any])
 
 lock_acquired = Signal()
 lock_released = Signal()
@@ -58,3 +76,40 @@ lock_contended = Signal()
 lock_lost = Signal()
 lock_waiting = Signal()
 lock_unavailable = Signal()
+
+
+class ReceiverGroup:
+    """Receivers of these signals, connected and disconnected together under one ``dispatch_uid``.
+
+    For the app's own listeners (telemetry, the toolbar panel), which connect
+    only while they are wanted, since a signal nobody listens to costs nothing.
+    """
+
+    def __init__(self, uid: str) -> None:
+        self.uid = uid
+        self._receivers: list[tuple[Signal, Callable[..., Any]]] = []
+
+    def on(self, signal: Signal) -> Callable[[_Receiver], _Receiver]:
+        """Decorate a function to receive ``signal`` while the group is connected."""
+
+        def add(receiver: _Receiver) -> _Receiver:
+            self._receivers.append((signal, receiver))
+            return receiver
+
+        return add
+
+    def connect(self) -> None:
+        """Connect every receiver of the group (again: no effect)."""
+        for signal, receiver in self._receivers:
+            signal.connect(receiver, dispatch_uid=self.uid)
+
+    def disconnect(self) -> None:
+        """Disconnect every receiver of the group (again: no effect)."""
+        for signal, _receiver in self._receivers:
+            signal.disconnect(dispatch_uid=self.uid)
+
+    def connected(self) -> bool:
+        """Return True if the group's receivers are connected."""
+        return any(
+            key[0] == self.uid for signal, _ in self._receivers for key, *_rest in signal.receivers
+        )

