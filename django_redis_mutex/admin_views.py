@@ -1,21 +1,15 @@
 """Admin views of the lock inspector: held locks and semaphores, read live, and freed.
 
-Nothing here touches the database except the admin history: the page is read
-from Redis on every request (:func:`~django_redis_mutex.introspection.listed_locks`,
-:func:`~django_redis_mutex.introspection.held_semaphores`). The filter fields
-(``host``, ``pid``, ``label``, ``older_than`` query parameters) build a
-:class:`~django_redis_mutex.filters.LockFilter`, as the ``locks`` command's
-options do; they select locks, and a shared lock only the holders they select
-(:meth:`~django_redis_mutex.filters.LockFilter.select`). The views are reached
-only through :class:`django_redis_mutex.admin.LockAdmin`, which wraps them with
+Nothing here touches the database but the admin history: every page is read
+from Redis. The filter fields build a :class:`~django_redis_mutex.filters.LockFilter`
+as the ``locks`` command's options do. The views are reached only through
+:class:`django_redis_mutex.admin.LockAdmin`, which wraps them with
 ``admin_site.admin_view`` (login, staff, CSRF, no caching).
 
 Force-releasing locks and resetting semaphores is one confirm-then-POST flow,
-but each behind a permission of its own (``release_lock``, ``reset_semaphore``):
+but each needs its own permission (``release_lock``, ``reset_semaphore``):
 taking permits from a semaphore's holders is a different power over different
-work than taking a lock. A filtered release frees only what still matches when
-it is confirmed. On a quorum alias both act on every master, and a member alias
-of a quorum is refused for either.
+work than taking a lock.
 """
 
 from __future__ import annotations
@@ -135,8 +129,8 @@ _FILTER_LABELS = {
 def _narrowed(listed: Any, lock_filter: LockFilter) -> Any:
     """Return ``listed`` as a release under ``lock_filter`` frees it, or None if it is left alone.
 
-    A shared lock is narrowed to the holders the filter selects. A semaphore
-    is never filtered (the filter fields select locks), so it comes back whole.
+    A shared lock is narrowed to the holders the filter selects; a semaphore,
+    never filtered, comes back whole.
     """
     return lock_filter.select(listed) if lock_filter else listed
 
@@ -154,7 +148,6 @@ def _url(base: str, **params: Any) -> str:
 
 
 def _admin_url(model_admin: LockAdmin, name: str) -> str:
-    """Return the URL of this admin site's page ``name`` ("changelist", "release", ...)."""
     opts = model_admin.opts
     return reverse(
         f"admin:{opts.app_label}_{opts.model_name}_{name}", current_app=model_admin.admin_site.name
@@ -185,7 +178,6 @@ def _lock_row(
 def _semaphore_row(
     held: HeldSemaphore, reset_url: str, using: str, filters: Mapping[str, str]
 ) -> dict[str, Any]:
-    """Return what the templates show of one semaphore: its limit and one entry per permit."""
     return {
         "name": held.name,
         "shown_name": terminal_safe(held.name),
@@ -198,7 +190,6 @@ def _semaphore_row(
 
 
 def _holder(holder: HeldLock | SharedHolder | SemaphoreHolder) -> dict[str, Any]:
-    """Return what the templates show of a lock's holder or a semaphore's permit."""
     owner = holder.owner
     shown = {
         "host": terminal_safe(owner.host or ""),
@@ -351,27 +342,23 @@ def _requested_names(values: Iterable[str]) -> list[str]:
     return names
 
 
-def _describe(held: HeldLock | None) -> str:
-    if held is None:
-        return _("owner unknown: it was not held when the page was read")
-    if held.shared:
-        return _("shared, holders %(holders)s") % {
-            "holders": "; ".join(
-                _("fence %(fence)d, owner %(owner)s") % {"fence": h.fence, "owner": h.owner}
-                for h in held.holders
-            )
-        }
-    return _("fence %(fence)d, owner %(owner)s") % {"fence": held.fence, "owner": held.owner}
-
-
 def _log_release(
     request: HttpRequest, name: str, using: str, freed: int, listed: ListedLock | None
 ) -> None:
-    """Record one force-release in the admin history of the Lock model."""
+    holder = _("fence %(fence)d, owner %(owner)s")
+    if listed is None:
+        details = _("owner unknown: it was not held when the page was read")
+    elif listed.held.shared:
+        holders = "; ".join(
+            holder % {"fence": h.fence, "owner": h.owner} for h in listed.held.holders
+        )
+        details = _("shared, holders %(holders)s") % {"holders": holders}
+    else:
+        details = holder % {"fence": listed.held.fence, "owner": listed.held.owner}
     message = _("Force-released lock “%(name)s” in cache “%(alias)s” (%(details)s).") % {
         "name": name,
         "alias": using,
-        "details": _describe(None if listed is None else listed.held),
+        "details": details,
     }
     _log_entry(request, Lock(name=name), DELETION, message)
 
@@ -401,18 +388,13 @@ def _log_semaphore_reset(
 def _log_entry(
     request: HttpRequest, entry: Lock | Semaphore, action_flag: int, message: str
 ) -> None:
-    """Add an entry for ``entry`` to the admin history, under the content type of its model."""
     user_id = request.user.pk
     if hasattr(LogEntry.objects, "log_actions"):  # Django 5.1+
         LogEntry.objects.log_actions(user_id, [entry], action_flag, change_message=message)
     else:  # pragma: no cover - Django < 5.1 has only log_action
+        content_type = ContentType.objects.get_for_model(entry)
         LogEntry.objects.log_action(
-            user_id=user_id,
-            content_type_id=ContentType.objects.get_for_model(type(entry)).pk,
-            object_id=entry.pk,
-            object_repr=str(entry),
-            action_flag=action_flag,
-            change_message=message,
+            user_id, content_type.pk, entry.pk, str(entry), action_flag, message
         )
 
 
