@@ -1,35 +1,21 @@
-"""Admin views of the lock inspector: the live list of held locks and force-release.
+"""Admin views of the lock inspector: held locks and semaphores, read live, and freed.
 
-Nothing here touches the database except the admin history: the list is read
-from Redis on every request through :func:`~django_redis_mutex.introspection.listed_locks`,
-and a release is :func:`~django_redis_mutex.introspection.reset`. The filter
-fields (``host``, ``pid``, ``label``, ``older_than`` query parameters) build a
-:class:`~django_redis_mutex.filters.LockFilter`, as the ``locks`` command's
-options do; a filtered release resets only the selected locks that still match
-when it is confirmed, each with
-:func:`~django_redis_mutex.introspection.reset_listed`. The views are
-reached only through :class:`django_redis_mutex.admin.LockAdmin`, which wraps
-them with ``admin_site.admin_view`` (login, staff, CSRF, no caching).
+Nothing here touches the database but the admin history: every page is read
+from Redis. The filter fields build a :class:`~django_redis_mutex.filters.LockFilter`
+as the ``locks`` command's options do. The views are reached only through
+:class:`django_redis_mutex.admin.LockAdmin`, which wraps them with
+``admin_site.admin_view`` (login, staff, CSRF, no caching).
 
-A lock held shared is listed once, marked shared, with a line per holder; its
-release frees every holder, or under a filter only the holders the filter
-selects (:meth:`~django_redis_mutex.filters.LockFilter.select`).
-
-The same page lists the counting semaphores with a permit held (read with
-:func:`~django_redis_mutex.introspection.held_semaphores`), one row per permit, and
-:func:`reset_semaphores` frees every permit of the chosen ones with
-:func:`~django_redis_mutex.introspection.reset_semaphore`, through the
-confirm-then-POST flow of a lock release but behind a permission of its own
-(``reset_semaphore``, of :class:`~django_redis_mutex.models.Semaphore`), and
-recorded in the admin history as a semaphore, not a lock. On a quorum alias
-both are listed and reset as the introspection functions do, on every master,
-and a member alias of a quorum is refused for either reset.
+Force-releasing locks and resetting semaphores is one confirm-then-POST flow,
+but each needs its own permission (``release_lock``, ``reset_semaphore``):
+taking permits from a semaphore's holders is a different power over different
+work than taking a lock.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Mapping
-from datetime import datetime
+from dataclasses import dataclass
 from typing import Any, Protocol
 from urllib.parse import urlencode
 
@@ -41,30 +27,17 @@ from django.http import HttpRequest, HttpResponse, HttpResponseNotAllowed, HttpR
 from django.template.response import TemplateResponse
 from django.urls import reverse
 from django.utils.translation import gettext as _
-from django.utils.translation import ngettext
+from django.utils.translation import gettext_lazy, ngettext, ngettext_lazy
 from redis.exceptions import RedisError
 
+from . import introspection
 from .client import lock_aliases
 from .display import duration, terminal_safe
-from .eviction import EvictionPolicy
 from .exceptions import LockBackendUnavailable
 from .filters import FILTER_FIELDS, FilterError, LockFilter
-from .introspection import (
-    HeldLock,
-    HeldSemaphore,
-    ListedLock,
-    ensure_resettable,
-    eviction_policies,
-    held_semaphores,
-    listed_locks,
-    reset,
-    reset_listed,
-    reset_semaphore,
-    seconds_since,
-)
+from .introspection import HeldLock, HeldSemaphore, ListedLock, SemaphoreHolder, SharedHolder
 from .keys import validate_name
 from .models import Lock, Semaphore
-from .owners import Owner
 
 
 class LockAdmin(Protocol):
@@ -92,10 +65,6 @@ _REDIS_FAILURES = (LockBackendUnavailable, RedisError)
 
 class _AliasError(Exception):
     """The requested cache alias cannot carry locks; the message says why."""
-
-
-class _BadFilter(Exception):
-    """A filter field of the request cannot be used; the message says which and why."""
 
 
 def _chosen_alias(request: HttpRequest, aliases: list[str]) -> str:
@@ -126,11 +95,7 @@ class _Filters:
 
     def __init__(self, data: Mapping[str, str]) -> None:
         # A blank field is an unset filter here (a form sends every field).
-        self.values = {
-            field: str(data.get(field, "")).strip()
-            for field in FILTER_FIELDS
-            if str(data.get(field, "")).strip()
-        }
+        self.values = {f: v for f in FILTER_FIELDS if (v := str(data.get(f, "")).strip())}
         self.errors: dict[str, str] = {}
         for field, value in self.values.items():
             try:
@@ -138,36 +103,36 @@ class _Filters:
             except FilterError as exc:
                 self.errors[field] = exc.problem
         self.lock_filter = LockFilter() if self.errors else LockFilter.from_strings(**self.values)
-
-    def error_text(self) -> str:
-        labels = _filter_labels()
-        return _("The filter cannot be used: %(problems)s") % {
-            "problems": " ".join(
-                f"{labels[field]}: {problem}" for field, problem in self.errors.items()
-            )
-        }
-
-    def fields(self) -> list[dict[str, str]]:
-        """Return what the template shows of each filter field, in FILTER_FIELDS order."""
-        labels = _filter_labels()
-        return [
+        self.fields = [
             {
                 "name": field,
-                "label": labels[field],
+                "label": _FILTER_LABELS[field],
                 "value": self.values.get(field, ""),
                 "error": self.errors.get(field, ""),
             }
             for field in FILTER_FIELDS
         ]
 
+    def error_text(self) -> str:
+        problems = (f"{_FILTER_LABELS[field]}: {text}" for field, text in self.errors.items())
+        return _("The filter cannot be used: %(problems)s") % {"problems": " ".join(problems)}
 
-def _filter_labels() -> dict[str, str]:
-    return {
-        "host": _("Host"),
-        "pid": _("PID"),
-        "label": _("Label"),
-        "older_than": _("Held longer than"),
-    }
+
+_FILTER_LABELS = {
+    "host": gettext_lazy("Host"),
+    "pid": gettext_lazy("PID"),
+    "label": gettext_lazy("Label"),
+    "older_than": gettext_lazy("Held longer than"),
+}
+
+
+def _narrowed(listed: Any, lock_filter: LockFilter) -> Any:
+    """Return ``listed`` as a release under ``lock_filter`` frees it, or None if it is left alone.
+
+    A shared lock is narrowed to the holders the filter selects; a semaphore,
+    never filtered, comes back whole.
+    """
+    return lock_filter.select(listed) if lock_filter else listed
 
 
 def _unavailable(using: str, exc: Exception) -> str:
@@ -182,117 +147,122 @@ def _url(base: str, **params: Any) -> str:
     return f"{base}?{query}" if query else base
 
 
-def _urls(model_admin: LockAdmin) -> tuple[str, str]:
-    """Return the changelist and release URLs of this admin site."""
+def _admin_url(model_admin: LockAdmin, name: str) -> str:
     opts = model_admin.opts
-    site = model_admin.admin_site.name
-    base = f"admin:{opts.app_label}_{opts.model_name}"
-    return (
-        reverse(f"{base}_changelist", current_app=site),
-        reverse(f"{base}_release", current_app=site),
+    return reverse(
+        f"admin:{opts.app_label}_{opts.model_name}_{name}", current_app=model_admin.admin_site.name
     )
 
 
-def _row(
-    held: HeldLock, release_url: str, using: str, filters: Mapping[str, str] | None = None
+def _lock_row(
+    listed: ListedLock, release_url: str, using: str, filters: Mapping[str, str]
 ) -> dict[str, Any]:
     # Names and labels may come from request data: what a person reads shows
     # control and bidi characters escaped; ``name`` stays exact for the form.
     # The owner fields are the holder's, or a shared lock's earliest holder's;
     # ``holders`` has one entry per holder either way (one for an exclusive lock).
-    if held.shared:
-        holders = [
-            _holder(h.owner, h.acquired_at, seconds_since(h.acquired_at), h.time_left, h.fence)
-            for h in held.holders
-        ]
-    else:
-        holders = [_holder(held.owner, held.acquired_at, held.held_for, held.time_left, held.fence)]
+    held = listed.held
+    holders = [_holder(holder) for holder in (held.holders if held.shared else [held])]
     return {
         **holders[0],
+        **_duration("time_left", held.time_left),  # a shared lock's longest lease
         "name": held.name,
         "shown_name": terminal_safe(held.name),
         "shared": held.shared,
         "holders": holders,
-        "time_left": duration(held.time_left),
-        "time_left_parts": _wrap_points(duration(held.time_left)),
         "waiters": held.waiters,
-        "release_url": _url(release_url, using=using, name=held.name, **(filters or {})),
+        "release_url": _url(release_url, using=using, name=held.name, **filters),
     }
 
 
-def _holder(
-    owner: Owner, acquired_at: datetime, held_for: float, time_left: float, fence: int
+def _semaphore_row(
+    held: HeldSemaphore, reset_url: str, using: str, filters: Mapping[str, str]
 ) -> dict[str, Any]:
-    """Return what the templates show of one holder: owner, times and fence."""
     return {
+        "name": held.name,
+        "shown_name": terminal_safe(held.name),
+        "limit": "?" if held.limit is None else held.limit,
+        "held": len(held.holders),
+        "waiters": held.waiters,
+        "holders": [_holder(holder) for holder in held.holders],
+        "reset_url": _url(reset_url, using=using, name=held.name, **filters),
+    }
+
+
+def _holder(holder: HeldLock | SharedHolder | SemaphoreHolder) -> dict[str, Any]:
+    owner = holder.owner
+    shown = {
         "host": terminal_safe(owner.host or ""),
         "pid": "" if owner.pid is None else owner.pid,
         "thread": terminal_safe(owner.thread or ""),
         "label": terminal_safe(owner.label or ""),
-        # Set when the lock's block has ended and it is kept for a transaction.
+        # Set when the block has ended and the hold is kept for a transaction.
         "transaction": terminal_safe(", ".join(owner.transaction)),
-        "acquired_at": acquired_at,
-        "held_for": duration(held_for),
-        "time_left": duration(time_left),
-        "held_for_parts": _wrap_points(duration(held_for)),
-        "time_left_parts": _wrap_points(duration(time_left)),
-        "fence": fence,
+        "fence": holder.fence,
+        **_duration("time_left", holder.time_left),
     }
+    if not isinstance(holder, SemaphoreHolder):  # a permit's record has no acquisition time
+        shown["acquired_at"] = holder.acquired_at
+        shown.update(_duration("held_for", introspection.seconds_since(holder.acquired_at)))
+    return shown
 
 
-def _wrap_points(text: str) -> list[str]:
-    """Split a duration ("1 min 58 s") into the parts a narrow cell may wrap between.
+def _duration(key: str, seconds: float) -> dict[str, Any]:
+    """Return ``seconds`` as text under ``key``, and under ``key_parts`` in wrappable parts.
 
     Each part keeps a number with its unit ("1 min", "58 s"), so a column of
     durations can take two lines instead of widening the table past the page.
     """
+    text = duration(seconds)
     words = text.split()
-    return [" ".join(words[i : i + 2]) for i in range(0, len(words), 2)]
-
-
-def _base_context(request: HttpRequest, model_admin: LockAdmin, title: str) -> dict[str, Any]:
-    opts = model_admin.opts
     return {
-        **model_admin.admin_site.each_context(request),
-        "opts": opts,
-        "app_label": opts.app_label,
-        "title": title,
+        key: text,
+        f"{key}_parts": [" ".join(words[i : i + 2]) for i in range(0, len(words), 2)],
     }
+
+
+def _render(
+    request: HttpRequest,
+    model_admin: LockAdmin,
+    template: str,
+    context: dict[str, Any],
+    status: int = 200,
+) -> HttpResponse:
+    """Render ``template`` as a page of this admin site, ``context`` added to the site's."""
+    opts = model_admin.opts
+    site = model_admin.admin_site
+    request.current_app = site.name
+    context = {**site.each_context(request), "opts": opts, "app_label": opts.app_label, **context}
+    return TemplateResponse(request, f"django_redis_mutex/admin/{template}", context, status=status)
 
 
 def lock_list(
     request: HttpRequest, model_admin: LockAdmin, extra_context: dict[str, Any] | None = None
 ) -> HttpResponse:
-    """Show the locks held right now in one cache alias, searchable by name."""
+    """Show the locks and semaphores held right now in one cache alias, searchable by name."""
     if not model_admin.has_view_permission(request):
         raise PermissionDenied
-    changelist_url, release_url = _urls(model_admin)
+    changelist_url = _admin_url(model_admin, "changelist")
     query = request.GET.get("q", "").strip()
     paused = request.GET.get("refresh") == "0"
     filters = _Filters(request.GET)
     chosen = filters.values
     aliases = lock_aliases()
-    context = _base_context(request, model_admin, _("Locks"))
-    context.update(
-        {
-            "aliases": aliases,
-            "query": query,
-            "filter_fields": filters.fields(),
-            "filtered": bool(chosen),
-            "paused": paused,
-            "refresh_seconds": 0 if paused else REFRESH_SECONDS,
-            "can_release": model_admin.has_release_permission(request),
-            "can_reset_semaphores": model_admin.has_reset_semaphore_permission(request),
-            "release_url": release_url,
-            "locks": [],
-            "total": 0,
-            "semaphores": [],
-            "semaphores_total": 0,
-            "evictions": [],
-            "error": None,
-        }
-    )
-    status = 200
+    context: dict[str, Any] = {
+        "title": _("Locks"),
+        "aliases": aliases,
+        "query": query,
+        "filter_fields": filters.fields,
+        "filtered": bool(chosen),
+        "paused": paused,
+        "refresh_seconds": 0 if paused else REFRESH_SECONDS,
+        "can_release": model_admin.has_release_permission(request),
+        "can_reset_semaphores": model_admin.has_reset_semaphore_permission(request),
+        "release_url": _admin_url(model_admin, _LOCKS.url_name),
+        "reset_semaphore_url": _admin_url(model_admin, _SEMAPHORES.url_name),
+        "locks": [],
+        "semaphores": [],
+    }
     try:
         using = _chosen_alias(request, aliases)
     except _AliasError as exc:
@@ -309,82 +279,54 @@ def lock_list(
                 changelist_url, using=using, q=query, refresh="0" if paused else ""
             ),
         )
-        try:
-            if filters.errors:
-                # Listing every lock under a filter the operator believes applies
-                # would invite releasing the wrong ones: list nothing.
-                raise _BadFilter(filters.error_text())
-            found = listed_locks(using)
-            found_semaphores = held_semaphores(using)
-            evictions = [text for p in eviction_policies(using) if (text := _evictions(p))]
-        except _BadFilter as exc:
-            # Reloading would only repeat the error while the operator fixes it.
-            context.update(error=str(exc), filter_error=True, refresh_seconds=0)
-            status = 400
-        except _REDIS_FAILURES as exc:
-            context["error"] = _unavailable(using, exc)
-            status = 503
-        except ImproperlyConfigured as exc:  # e.g. a sharded client, which cannot hold locks
-            context["error"] = str(exc)
-            status = 404
-        else:
-            # A shared lock is narrowed to the holders the filter selects, which
-            # are those a release through this filtered list frees.
-            matching = [
-                h.held
-                for h in _selected(found, filters.lock_filter)
-                if query.casefold() in h.held.name.casefold()
-            ]
-            context["locks"] = [_row(h, release_url, using, chosen) for h in matching]
-            context["evictions"] = evictions
-            context["total"] = len(found)
-            reset_url = _reset_semaphore_url(model_admin)
-            context.update(_semaphore_context(found_semaphores, reset_url, using, query))
-            # The holder filters select locks; a semaphore is listed unfiltered or not at all.
-            context["semaphores_hidden"] = bool(chosen) and bool(found_semaphores)
-            if chosen:
-                context["semaphores"] = []
+        status = _list_held(context, using, query, filters)
     context.update(extra_context or {})
-    request.current_app = model_admin.admin_site.name
-    return TemplateResponse(request, "django_redis_mutex/admin/locks.html", context, status=status)
+    return _render(request, model_admin, "locks.html", context, status=status)
 
 
-def _evictions(policy: EvictionPolicy) -> str | None:
-    """Return what the page says about keys the Redis evicted, or None (as ``locks`` does)."""
-    count = policy.evicted_keys
-    if count is None or not policy.worth_listing:
-        return None
-    values = {"alias": policy.alias, "policy": policy.policy, "count": count}
-    if policy.evicts:
-        return (
-            ngettext(
-                "The Redis of cache “%(alias)s” evicts keys (maxmemory-policy %(policy)s): "
-                "%(count)d key evicted since it started. A held lock can be evicted too: keep "
-                "locks on a Redis with maxmemory-policy noeviction.",
-                "The Redis of cache “%(alias)s” evicts keys (maxmemory-policy %(policy)s): "
-                "%(count)d keys evicted since it started. A held lock can be evicted too: keep "
-                "locks on a Redis with maxmemory-policy noeviction.",
-                count,
-            )
-            % values
-        )
-    return (
-        ngettext(
-            "The Redis of cache “%(alias)s” evicted %(count)d key since it started "
-            "(maxmemory-policy now %(policy)s).",
-            "The Redis of cache “%(alias)s” evicted %(count)d keys since it started "
-            "(maxmemory-policy now %(policy)s).",
-            count,
-        )
-        % values
+def _list_held(context: dict[str, Any], using: str, query: str, filters: _Filters) -> int:
+    """Add what ``using`` holds that matches the search to the list page; return its status."""
+    if filters.errors:
+        # Listing every lock under a filter the operator believes applies would
+        # invite releasing the wrong ones: list nothing. Reloading would only
+        # repeat the error while the operator fixes it.
+        context.update(error=filters.error_text(), filter_error=True, refresh_seconds=0)
+        return 400
+    try:
+        found = introspection.listed_locks(using)
+        semaphores = introspection.held_semaphores(using)
+        # Said as the ``locks`` command says it.
+        evictions = [
+            line for p in introspection.eviction_policies(using) if (line := p.evictions_line())
+        ]
+    except _REDIS_FAILURES as exc:
+        context["error"] = _unavailable(using, exc)
+        return 503
+    except ImproperlyConfigured as exc:  # e.g. a sharded client, which cannot hold locks
+        context["error"] = str(exc)
+        return 404
+    # A shared lock is narrowed to the holders the filter selects, which are
+    # those a release through this filtered list frees.
+    locks = [s for item in found if (s := _narrowed(item, filters.lock_filter)) is not None]
+    # The holder filters select locks; a semaphore is listed unfiltered or not at all.
+    shown = [] if filters.values else semaphores
+    context.update(
+        locks=[
+            _lock_row(item, context["release_url"], using, filters.values)
+            for item in locks
+            if query.casefold() in item.held.name.casefold()
+        ],
+        total=len(found),
+        semaphores=[
+            _semaphore_row(held, context["reset_semaphore_url"], using, {})
+            for held in shown
+            if query.casefold() in held.name.casefold()
+        ],
+        semaphores_total=len(semaphores),
+        semaphores_hidden=bool(filters.values) and bool(semaphores),
+        evictions=evictions,
     )
-
-
-def _selected(listed: Iterable[ListedLock], lock_filter: LockFilter) -> list[ListedLock]:
-    """Return the locks ``lock_filter`` selects, a shared one narrowed to its matching holders."""
-    if not lock_filter:
-        return list(listed)
-    return [chosen for item in listed if (chosen := lock_filter.select(item)) is not None]
+    return 200
 
 
 def _requested_names(values: Iterable[str]) -> list[str]:
@@ -400,413 +342,25 @@ def _requested_names(values: Iterable[str]) -> list[str]:
     return names
 
 
-def _describe(held: HeldLock | None) -> str:
-    if held is None:
-        return _("owner unknown: it was not held when the page was read")
-    if held.shared:
-        return _("shared, holders %(holders)s") % {
-            "holders": "; ".join(
-                _("fence %(fence)d, owner %(owner)s") % {"fence": h.fence, "owner": h.owner}
-                for h in held.holders
-            )
-        }
-    return _("fence %(fence)d, owner %(owner)s") % {"fence": held.fence, "owner": held.owner}
-
-
-def _log_release(request: HttpRequest, name: str, using: str, held: HeldLock | None) -> None:
-    """Record one force-release in the admin history of the Lock model."""
+def _log_release(
+    request: HttpRequest, name: str, using: str, freed: int, listed: ListedLock | None
+) -> None:
+    holder = _("fence %(fence)d, owner %(owner)s")
+    if listed is None:
+        details = _("owner unknown: it was not held when the page was read")
+    elif listed.held.shared:
+        holders = "; ".join(
+            holder % {"fence": h.fence, "owner": h.owner} for h in listed.held.holders
+        )
+        details = _("shared, holders %(holders)s") % {"holders": holders}
+    else:
+        details = holder % {"fence": listed.held.fence, "owner": listed.held.owner}
     message = _("Force-released lock “%(name)s” in cache “%(alias)s” (%(details)s).") % {
         "name": name,
         "alias": using,
-        "details": _describe(held),
+        "details": details,
     }
     _log_entry(request, Lock(name=name), DELETION, message)
-
-
-def _log_entry(
-    request: HttpRequest, entry: Lock | Semaphore, action_flag: int, message: str
-) -> None:
-    """Add an entry for ``entry`` to the admin history, under the content type of its model."""
-    user_id = request.user.pk
-    if hasattr(LogEntry.objects, "log_actions"):  # Django 5.1+
-        LogEntry.objects.log_actions(user_id, [entry], action_flag, change_message=message)
-    else:  # pragma: no cover - Django < 5.1 has only log_action
-        LogEntry.objects.log_action(
-            user_id=user_id,
-            content_type_id=ContentType.objects.get_for_model(type(entry)).pk,
-            object_id=entry.pk,
-            object_repr=str(entry),
-            action_flag=action_flag,
-            change_message=message,
-        )
-
-
-def _reset_request(
-    request: HttpRequest,
-    model_admin: LockAdmin,
-    has_permission: Callable[[HttpRequest], bool],
-    title: str,
-    template: str,
-    listing: str,
-) -> HttpResponse | tuple[Any, str, str]:
-    """Check what every confirm-then-POST view starts with; return (data, query, alias).
-
-    The method (GET shows the confirmation, POST acts), the permission to see
-    the page and ``has_permission``, the one this view's action needs
-    (``release_lock`` for a lock, ``reset_semaphore`` for a semaphore), and the
-    alias; a refusal comes back as the response to send instead.
-    """
-    if request.method not in ("GET", "HEAD", "POST"):
-        return HttpResponseNotAllowed(["GET", "HEAD", "POST"])
-    if not (model_admin.has_view_permission(request) and has_permission(request)):
-        raise PermissionDenied
-    data = request.POST if request.method == "POST" else request.GET
-    try:
-        using = _chosen_alias(request, lock_aliases())
-    except _AliasError as exc:
-        context = _base_context(request, model_admin, title)
-        context.update({"error": str(exc), listing: []})
-        request.current_app = model_admin.admin_site.name
-        return TemplateResponse(request, template, context, status=404)
-    return data, data.get("q", ""), using
-
-
-def release_locks(request: HttpRequest, model_admin: LockAdmin) -> HttpResponse:
-    """Confirm (GET) and perform (POST) the force-release of the named locks."""
-    checked = _reset_request(
-        request,
-        model_admin,
-        model_admin.has_release_permission,
-        _("Release locks"),
-        "django_redis_mutex/admin/release.html",
-        "locks",
-    )
-    if isinstance(checked, HttpResponse):
-        return checked
-    data, query, using = checked
-    changelist_url, release_url = _urls(model_admin)
-    filters = _Filters(data)
-    back = _url(changelist_url, using=using, q=query, **filters.values)
-    names = _requested_names(data.getlist("name"))
-    if not names:
-        messages.warning(request, _("Select the locks to release first."))
-        return HttpResponseRedirect(back)
-    if filters.errors:
-        messages.error(request, filters.error_text())
-        return HttpResponseRedirect(back)
-    try:
-        # A member of a quorum would release a quorum lock on one master only,
-        # while its holder keeps it alive on the others: say which alias to use.
-        ensure_resettable(using)
-    except (ValueError, ImproperlyConfigured) as exc:
-        messages.error(request, str(exc))
-        return HttpResponseRedirect(back)
-    try:
-        listed = {item.held.name: item for item in listed_locks(using) if item.held.name in names}
-    except _REDIS_FAILURES as exc:
-        messages.error(request, _unavailable(using, exc))
-        return HttpResponseRedirect(back)
-    except ImproperlyConfigured as exc:
-        messages.error(request, str(exc))
-        return HttpResponseRedirect(back)
-    held = {name: item.held for name, item in listed.items()}
-
-    if request.method == "POST" and filters.values:
-        return _perform_filtered_release(request, names, using, listed, filters.lock_filter, back)
-    if request.method == "POST":
-        return _perform_release(request, names, using, held, back)
-
-    # Narrowed as the release will be: a shared lock to the holders the filter selects.
-    selected = {
-        item.held.name: item.held for item in _selected(listed.values(), filters.lock_filter)
-    }
-    unmatched = [n for n in names if n in held and n not in selected]
-    chosen = [n for n in names if n in selected]
-    if not chosen:
-        if unmatched:
-            messages.warning(request, _("None of the selected locks matches the filter."))
-        else:
-            messages.warning(request, _("None of the selected locks is held any more."))
-        return HttpResponseRedirect(back)
-    context = _base_context(request, model_admin, _("Release locks"))
-    context.update(
-        {
-            "error": None,
-            "using": using,
-            "query": query,
-            "back_url": back,
-            "release_url": release_url,
-            "locks": [_row(selected[n], release_url, using, filters.values) for n in chosen],
-            "gone": [n for n in names if n not in held],
-            "unmatched": [terminal_safe(n) for n in unmatched],
-            "filter_values": filters.values,
-            "filter_description": filters.lock_filter.describe() if filters.values else "",
-        }
-    )
-    request.current_app = model_admin.admin_site.name
-    return TemplateResponse(request, "django_redis_mutex/admin/release.html", context)
-
-
-def _perform_release(
-    request: HttpRequest, names: list[str], using: str, held: dict[str, HeldLock], back: str
-) -> HttpResponse:
-    released = 0
-    try:
-        for name in names:
-            if reset(name, using):
-                released += 1
-                _log_release(request, name, using, held.get(name))
-    except _REDIS_FAILURES as exc:
-        # For a quorum this includes too many masters unreachable to release it
-        # on a majority: the lock is not reported as released.
-        messages.error(request, _unavailable(using, exc))
-    except ValueError as exc:  # CACHES changed since the confirmation page
-        messages.error(request, str(exc))
-    else:
-        not_held = len(names) - released
-        if not_held:
-            messages.warning(
-                request,
-                ngettext(
-                    "%(count)d lock was no longer held.",
-                    "%(count)d locks were no longer held.",
-                    not_held,
-                )
-                % {"count": not_held},
-            )
-    if released:
-        messages.success(
-            request,
-            ngettext(
-                "Released %(count)d lock.",
-                "Released %(count)d locks.",
-                released,
-            )
-            % {"count": released},
-        )
-    return HttpResponseRedirect(back)
-
-
-def _perform_filtered_release(
-    request: HttpRequest,
-    names: list[str],
-    using: str,
-    listed: dict[str, ListedLock],
-    lock_filter: LockFilter,
-    back: str,
-) -> HttpResponse:
-    """Release the named locks that match ``lock_filter`` now, each only from its listed holder.
-
-    The filter is applied again here, not only on the confirmation page: a lock
-    that passed to a holder outside the filter since then is left alone, and so
-    is one that changes hands between this listing and its reset. Of a lock
-    held shared, only the holders that match are released; the others keep it.
-    """
-    released = not_held = unmatched = 0
-    try:
-        for name in names:
-            found = listed.get(name)
-            item = None if found is None else lock_filter.select(found)
-            if found is None:
-                not_held += 1
-            elif item is None:
-                unmatched += 1
-            elif reset_listed(item, using):
-                released += 1
-                _log_release(request, name, using, item.held)
-            else:
-                not_held += 1
-    except _REDIS_FAILURES as exc:
-        messages.error(request, _unavailable(using, exc))
-    except ValueError as exc:  # CACHES changed since the confirmation page
-        messages.error(request, str(exc))
-    else:
-        if not_held:
-            messages.warning(
-                request,
-                ngettext(
-                    "%(count)d lock was no longer held.",
-                    "%(count)d locks were no longer held.",
-                    not_held,
-                )
-                % {"count": not_held},
-            )
-        if unmatched:
-            messages.warning(
-                request,
-                ngettext(
-                    "%(count)d lock no longer matched the filter and was left alone.",
-                    "%(count)d locks no longer matched the filter and were left alone.",
-                    unmatched,
-                )
-                % {"count": unmatched},
-            )
-    if released:
-        messages.success(
-            request,
-            ngettext(
-                "Released %(count)d lock.",
-                "Released %(count)d locks.",
-                released,
-            )
-            % {"count": released},
-        )
-    return HttpResponseRedirect(back)
-
-
-# -- semaphores ------------------------------------------------------------------
-
-
-def _reset_semaphore_url(model_admin: LockAdmin) -> str:
-    opts = model_admin.opts
-    return reverse(
-        f"admin:{opts.app_label}_{opts.model_name}_reset_semaphore",
-        current_app=model_admin.admin_site.name,
-    )
-
-
-def _semaphore_row(held: HeldSemaphore, reset_url: str, using: str) -> dict[str, Any]:
-    """Return what the templates show of one semaphore: its limit and one entry per permit."""
-    return {
-        "name": held.name,
-        "shown_name": terminal_safe(held.name),
-        "limit": "?" if held.limit is None else held.limit,
-        "held": len(held.holders),
-        "waiters": held.waiters,
-        "holders": [
-            {
-                "host": terminal_safe(holder.owner.host or ""),
-                "pid": "" if holder.owner.pid is None else holder.owner.pid,
-                "thread": terminal_safe(holder.owner.thread or ""),
-                "label": terminal_safe(holder.owner.label or ""),
-                "transaction": terminal_safe(", ".join(holder.owner.transaction)),
-                "time_left": duration(holder.time_left),
-                "time_left_parts": _wrap_points(duration(holder.time_left)),
-            }
-            for holder in held.holders
-        ],
-        "reset_url": _url(reset_url, using=using, name=held.name),
-    }
-
-
-def _semaphore_context(
-    found: list[HeldSemaphore], reset_url: str, using: str, query: str
-) -> dict[str, Any]:
-    """Return the semaphore part of the list page: those matching the search, and the total."""
-    matching = [held for held in found if query.casefold() in held.name.casefold()]
-    return {
-        "semaphores": [_semaphore_row(held, reset_url, using) for held in matching],
-        "semaphores_total": len(found),
-        "reset_semaphore_url": reset_url,
-    }
-
-
-def reset_semaphores(request: HttpRequest, model_admin: LockAdmin) -> HttpResponse:
-    """Confirm (GET) and perform (POST) freeing every permit of the named semaphores.
-
-    Resetting a semaphore takes permits from their holders as a release takes a
-    lock, so it goes through the same confirmation page and CSRF-protected
-    POST; it is a different power over different work, so it needs its own
-    permission (``reset_semaphore``), not the lock's ``release_lock``.
-    """
-    checked = _reset_request(
-        request,
-        model_admin,
-        model_admin.has_reset_semaphore_permission,
-        _("Reset semaphores"),
-        "django_redis_mutex/admin/semaphore_reset.html",
-        "semaphores",
-    )
-    if isinstance(checked, HttpResponse):
-        return checked
-    data, query, using = checked
-    changelist_url, _release_url = _urls(model_admin)
-    back = _url(changelist_url, using=using, q=query)
-    names = _requested_names(data.getlist("name"))
-    if not names:
-        messages.warning(request, _("Select the semaphores to reset first."))
-        return HttpResponseRedirect(back)
-    try:
-        # As for a lock: a member of a quorum would free a quorum permit on one
-        # master only, while its holder keeps renewing it on the others.
-        ensure_resettable(using, "semaphore")
-    except (ValueError, ImproperlyConfigured) as exc:
-        messages.error(request, str(exc))
-        return HttpResponseRedirect(back)
-    try:
-        held = {item.name: item for item in held_semaphores(using) if item.name in names}
-    except _REDIS_FAILURES as exc:
-        messages.error(request, _unavailable(using, exc))
-        return HttpResponseRedirect(back)
-    except ImproperlyConfigured as exc:
-        messages.error(request, str(exc))
-        return HttpResponseRedirect(back)
-    if request.method == "POST":
-        return _perform_semaphore_reset(request, names, using, held, back)
-    if not held:
-        messages.warning(request, _("None of the selected semaphores is held any more."))
-        return HttpResponseRedirect(back)
-    context = _base_context(request, model_admin, _("Reset semaphores"))
-    context.update(
-        {
-            "error": None,
-            "using": using,
-            "query": query,
-            "back_url": back,
-            "reset_semaphore_url": _reset_semaphore_url(model_admin),
-            "semaphores": [
-                _semaphore_row(held[n], _reset_semaphore_url(model_admin), using)
-                for n in names
-                if n in held
-            ],
-            "gone": [terminal_safe(n) for n in names if n not in held],
-        }
-    )
-    request.current_app = model_admin.admin_site.name
-    return TemplateResponse(request, "django_redis_mutex/admin/semaphore_reset.html", context)
-
-
-def _perform_semaphore_reset(
-    request: HttpRequest,
-    names: list[str],
-    using: str,
-    held: dict[str, HeldSemaphore],
-    back: str,
-) -> HttpResponse:
-    """Free every permit of each named semaphore, saying how many each had."""
-    not_held = 0
-    try:
-        for name in names:
-            freed = reset_semaphore(name, using)
-            if not freed:
-                not_held += 1
-                continue
-            _log_semaphore_reset(request, name, using, freed, held.get(name))
-            messages.success(
-                request,
-                ngettext(
-                    "Reset semaphore “%(name)s”: freed %(count)d permit.",
-                    "Reset semaphore “%(name)s”: freed %(count)d permits.",
-                    freed,
-                )
-                % {"name": terminal_safe(name), "count": freed},
-            )
-    except _REDIS_FAILURES as exc:
-        messages.error(request, _unavailable(using, exc))
-    except (ValueError, ImproperlyConfigured) as exc:  # CACHES changed since the confirmation
-        messages.error(request, str(exc))
-    else:
-        if not_held:
-            messages.warning(
-                request,
-                ngettext(
-                    "%(count)d semaphore had no permit held any more.",
-                    "%(count)d semaphores had no permit held any more.",
-                    not_held,
-                )
-                % {"count": not_held},
-            )
-    return HttpResponseRedirect(back)
 
 
 def _log_semaphore_reset(
@@ -829,3 +383,224 @@ def _log_semaphore_reset(
         freed,
     ) % {"name": name, "alias": using, "count": freed, "holders": holders}
     _log_entry(request, Semaphore(name=name), CHANGE, message)
+
+
+def _log_entry(
+    request: HttpRequest, entry: Lock | Semaphore, action_flag: int, message: str
+) -> None:
+    user_id = request.user.pk
+    if hasattr(LogEntry.objects, "log_actions"):  # Django 5.1+
+        LogEntry.objects.log_actions(user_id, [entry], action_flag, change_message=message)
+    else:  # pragma: no cover - Django < 5.1 has only log_action
+        content_type = ContentType.objects.get_for_model(entry)
+        LogEntry.objects.log_action(
+            user_id, content_type.pk, entry.pk, str(entry), action_flag, message
+        )
+
+
+@dataclass(frozen=True)
+class _Kind:
+    """What the confirm-then-POST flow needs to know of the locks or semaphores it frees."""
+
+    noun: str  # "lock" or "semaphore"; its plural names the rows in the templates
+    action: str  # "release" or "reset": the verb in the confirmation page's ids
+    url_name: str  # after "<app>_<model>_"; LockAdmin.has_<url_name>_permission says who may
+    template: str
+    title: Any  # the texts are lazy: translated when shown
+    select_first: Any
+    none_held: Any
+    not_held: Any  # plural of "count"
+    freed: Any  # plural of "count": said once for all, or for each one freed ("name")
+    read: Callable[[str], dict[str, Any]]  # alias -> what is held there, by name
+    reset: Callable[[str, str], int]  # (name, alias) -> how many holds it freed
+    log: Callable[[HttpRequest, str, str, int, Any], None]
+    row: Callable[[Any, str, str, Mapping[str, str]], dict[str, Any]]
+    filtered: bool = False  # whether the holder filters apply (they select locks)
+    freed_each: bool = False
+
+
+def _confirm_or_free(request: HttpRequest, model_admin: LockAdmin, kind: _Kind) -> HttpResponse:
+    """Confirm (GET) and perform (POST) freeing the locks or semaphores named in the request."""
+    if request.method not in ("GET", "HEAD", "POST"):
+        return HttpResponseNotAllowed(["GET", "HEAD", "POST"])
+    may_act = getattr(model_admin, f"has_{kind.url_name}_permission")
+    if not (model_admin.has_view_permission(request) and may_act(request)):
+        raise PermissionDenied
+    data = request.POST if request.method == "POST" else request.GET
+    context: dict[str, Any] = {"title": str(kind.title)}
+    try:
+        using = _chosen_alias(request, lock_aliases())
+    except _AliasError as exc:
+        context.update({"error": str(exc), f"{kind.noun}s": []})
+        return _render(request, model_admin, kind.template, context, status=404)
+    query = data.get("q", "")
+    filters = _Filters(data if kind.filtered else {})
+    back = _url(_admin_url(model_admin, "changelist"), using=using, q=query, **filters.values)
+
+    def go_back(level: int, text: str) -> HttpResponse:
+        messages.add_message(request, level, text)
+        return HttpResponseRedirect(back)
+
+    names = _requested_names(data.getlist("name"))
+    if not names:
+        return go_back(messages.WARNING, str(kind.select_first))
+    if filters.errors:
+        return go_back(messages.ERROR, filters.error_text())
+    try:
+        # A member of a quorum would free a quorum lock or permit on one master
+        # only, while its holder keeps it alive on the others: say which alias to use.
+        introspection.ensure_resettable(using, kind.noun)
+        found = {name: item for name, item in kind.read(using).items() if name in names}
+    except _REDIS_FAILURES as exc:
+        return go_back(messages.ERROR, _unavailable(using, exc))
+    except (ValueError, ImproperlyConfigured) as exc:
+        return go_back(messages.ERROR, str(exc))
+    if request.method == "POST":
+        _free(request, kind, names, using, found, filters.lock_filter)
+        return HttpResponseRedirect(back)
+
+    # Narrowed as the POST will narrow them: a shared lock to the holders the filter selects.
+    selected = {
+        name: chosen
+        for name, item in found.items()
+        if (chosen := _narrowed(item, filters.lock_filter)) is not None
+    }
+    unmatched = [terminal_safe(n) for n in names if n in found and n not in selected]
+    if not selected:
+        if unmatched:
+            return go_back(messages.WARNING, _("None of the selected locks matches the filter."))
+        return go_back(messages.WARNING, str(kind.none_held))
+    url = _admin_url(model_admin, kind.url_name)
+    rows = [kind.row(selected[n], url, using, filters.values) for n in names if n in selected]
+    context.update(
+        {
+            "kind": kind,
+            "using": using,
+            "query": query,
+            "back_url": back,
+            "action_url": url,
+            "items": rows,
+            f"{kind.noun}s": rows,
+            "gone": [terminal_safe(n) for n in names if n not in found],
+            "unmatched": unmatched,
+            "filter_values": filters.values,
+            "filter_description": filters.lock_filter.describe() if filters.values else "",
+        }
+    )
+    return _render(request, model_admin, kind.template, context)
+
+
+def _free(
+    request: HttpRequest,
+    kind: _Kind,
+    names: list[str],
+    using: str,
+    found: dict[str, Any],
+    lock_filter: LockFilter,
+) -> None:
+    """Free each named lock or semaphore, record it in the history, and say how it went.
+
+    Under a filter, the filter is applied again here, not only on the
+    confirmation page: a lock that passed to a holder outside the filter since
+    then is left alone, and so is one that changes hands between this listing
+    and its reset. Of a lock held shared, only the holders that match are
+    released; the others keep it.
+    """
+    done = not_held = unmatched = 0
+    try:
+        for name in names:
+            item = found.get(name)
+            if lock_filter:
+                chosen = None if item is None else lock_filter.select(item)
+                if item is not None and chosen is None:
+                    unmatched += 1
+                    continue
+                item = chosen
+                freed = int(chosen is not None and introspection.reset_listed(chosen, using))
+            else:
+                freed = kind.reset(name, using)
+            if not freed:
+                not_held += 1
+                continue
+            done += 1
+            kind.log(request, name, using, freed, item)
+            if kind.freed_each:
+                messages.success(
+                    request, kind.freed % {"name": terminal_safe(name), "count": freed}
+                )
+    except _REDIS_FAILURES as exc:
+        # On a quorum this includes too many masters unreachable to free it on
+        # a majority: it is not reported as freed.
+        messages.error(request, _unavailable(using, exc))
+    except (ValueError, ImproperlyConfigured) as exc:  # CACHES changed since the confirmation
+        messages.error(request, str(exc))
+    else:
+        if not_held:
+            messages.warning(request, kind.not_held % {"count": not_held})
+        if unmatched:
+            messages.warning(
+                request,
+                ngettext(
+                    "%(count)d lock no longer matched the filter and was left alone.",
+                    "%(count)d locks no longer matched the filter and were left alone.",
+                    unmatched,
+                )
+                % {"count": unmatched},
+            )
+    if done and not kind.freed_each:
+        messages.success(request, kind.freed % {"count": done})
+
+
+_LOCKS = _Kind(
+    noun="lock",
+    action="release",
+    url_name="release",
+    template="release.html",
+    filtered=True,
+    title=gettext_lazy("Release locks"),
+    select_first=gettext_lazy("Select the locks to release first."),
+    none_held=gettext_lazy("None of the selected locks is held any more."),
+    not_held=ngettext_lazy(
+        "%(count)d lock was no longer held.", "%(count)d locks were no longer held.", "count"
+    ),
+    freed=ngettext_lazy("Released %(count)d lock.", "Released %(count)d locks.", "count"),
+    read=lambda using: {item.held.name: item for item in introspection.listed_locks(using)},
+    reset=lambda name, using: int(introspection.reset(name, using)),
+    log=_log_release,
+    row=_lock_row,
+)
+
+_SEMAPHORES = _Kind(
+    noun="semaphore",
+    action="reset",
+    url_name="reset_semaphore",
+    template="semaphore_reset.html",
+    title=gettext_lazy("Reset semaphores"),
+    select_first=gettext_lazy("Select the semaphores to reset first."),
+    none_held=gettext_lazy("None of the selected semaphores is held any more."),
+    not_held=ngettext_lazy(
+        "%(count)d semaphore had no permit held any more.",
+        "%(count)d semaphores had no permit held any more.",
+        "count",
+    ),
+    freed=ngettext_lazy(
+        "Reset semaphore “%(name)s”: freed %(count)d permit.",
+        "Reset semaphore “%(name)s”: freed %(count)d permits.",
+        "count",
+    ),
+    freed_each=True,
+    read=lambda using: {item.name: item for item in introspection.held_semaphores(using)},
+    reset=introspection.reset_semaphore,
+    log=_log_semaphore_reset,
+    row=_semaphore_row,
+)
+
+
+def release_locks(request: HttpRequest, model_admin: LockAdmin) -> HttpResponse:
+    """Confirm (GET) and perform (POST) the force-release of the named locks."""
+    return _confirm_or_free(request, model_admin, _LOCKS)
+
+
+def reset_semaphores(request: HttpRequest, model_admin: LockAdmin) -> HttpResponse:
+    """Confirm (GET) and perform (POST) freeing every permit of the named semaphores."""
+    return _confirm_or_free(request, model_admin, _SEMAPHORES)
