@@ -37,6 +37,8 @@ if TYPE_CHECKING:
 
 __all__ = ["MutexContext", "mutex", "skip_if_locked"]
 
+# A decorated call: the function, its positional and its keyword arguments.
+Call = tuple[Callable[..., Any], tuple[Any, ...], dict[str, Any]]
 F = TypeVar("F", bound=Callable[..., Any])
 _formatter = string.Formatter()
 logger = logging.getLogger("django_redis_mutex")
@@ -320,7 +322,7 @@ class MutexContext:
                 name = self.name_for(func, args, kwargs)
                 if not name:
                     return await func(*args, **kwargs)
-                return await self._acall(name, func, args, kwargs)
+                return await self._acall(name, (func, args, kwargs))
 
             return cast(F, _same_signature(async_inner, func))
 
@@ -333,25 +335,18 @@ class MutexContext:
             name = self.name_for(func, args, kwargs)
             if not name:
                 return func(*args, **kwargs)
-            return self._call(name, transactions, func, args, kwargs)
+            return self._call(name, transactions, (func, args, kwargs))
 
         transactions.mark(inner)
         return cast(F, _same_signature(inner, func))
 
-    def _call(
-        self,
-        name: str,
-        transactions: RequestTransactions,
-        func: Callable[..., Any],
-        args: tuple[Any, ...],
-        kwargs: dict[str, Any],
-    ) -> Any:
+    def _call(self, name: str, transactions: RequestTransactions, call: Call) -> Any:
+        func, args, kwargs = call
         with self._handle(name), transactions.opened(args):
             return func(*args, **kwargs)
 
-    async def _acall(
-        self, name: str, func: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]
-    ) -> Any:
+    async def _acall(self, name: str, call: Call) -> Any:
+        func, args, kwargs = call
         async with self._handle(name):
             return await func(*args, **kwargs)
 
@@ -435,14 +430,8 @@ class _SkipWhileHeld(MutexContext):
             )
         return super().__call__(func)
 
-    def _call(
-        self,
-        name: str,
-        transactions: RequestTransactions,
-        func: Callable[..., Any],
-        args: tuple[Any, ...],
-        kwargs: dict[str, Any],
-    ) -> Any:
+    def _call(self, name: str, transactions: RequestTransactions, call: Call) -> Any:
+        func, args, kwargs = call
         with contextlib.ExitStack() as stack:
             # Only the acquisition's own LockContended means "skip".
             try:
@@ -453,9 +442,8 @@ class _SkipWhileHeld(MutexContext):
             stack.enter_context(transactions.opened(args))
             return func(*args, **kwargs)
 
-    async def _acall(
-        self, name: str, func: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]
-    ) -> Any:
+    async def _acall(self, name: str, call: Call) -> Any:
+        func, args, kwargs = call
         async with contextlib.AsyncExitStack() as stack:
             try:
                 await stack.enter_async_context(self._handle(name))
