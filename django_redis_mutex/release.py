@@ -93,14 +93,10 @@ def release(lock: Handle, hold: Hold) -> None:
     if lock._levels.drop(hold):
         return
     kept = keep_for_transaction(lock, hold)
-    if kept is not None:
-        if kept and not run_steps(lock._where.mark_steps(hold, kept)):
-            lost_while_kept(lock, hold)
-        if still_kept(hold):
-            return
-    # Stop renewing first: a renewal answered after our release would
-    # otherwise report the lock as lost.
-    get_watchdog().unwatch(hold)
+    if kept and not run_steps(lock._where.mark_steps(hold, kept)):
+        lost_while_kept(lock, hold)
+    if _stays(hold, kept):
+        return
     try:
         with backend_errors(lock.name, lock.using):
             released = run_steps(lock._where.release_steps(hold))
@@ -115,12 +111,10 @@ async def arelease(lock: Handle, hold: Hold) -> None:
     if lock._levels.drop(hold):
         return
     kept = keep_for_transaction(lock, hold)
-    if kept is not None:
-        if kept and not await AsyncDriver().run(lock._where.mark_steps(hold, kept)):
-            lost_while_kept(lock, hold)
-        if still_kept(hold):
-            return
-    get_watchdog().unwatch(hold)
+    if kept and not await AsyncDriver().run(lock._where.mark_steps(hold, kept)):
+        lost_while_kept(lock, hold)
+    if _stays(hold, kept):
+        return
     try:
         with backend_errors(lock.name, lock.using):
             released = await AsyncDriver().run(lock._where.release_steps(hold))
@@ -128,6 +122,16 @@ async def arelease(lock: Handle, hold: Hold) -> None:
         release_failed_locally(lock, hold)
         raise
     finish(lock, hold, released)
+
+
+def _stays(hold: Hold, kept: list[str] | None) -> bool:
+    """Return True if ``hold`` stays kept for its transaction, else stop renewing it."""
+    if kept is not None and still_kept(hold):
+        return True
+    # Stop renewing first: a renewal answered after our release would
+    # otherwise report the lock as lost.
+    get_watchdog().unwatch(hold)
+    return False
 
 
 def held_or_raise(lock: Handle, action: str) -> Hold:

@@ -986,13 +986,6 @@ def run_acknowledged(
     return loading(_run_with_wait, _load, client, script, keys, args, replicas, timeout)
 
 
-async def arun_acknowledged(
-    client: Any,
-    script: LuaScript,
-    keys: Sequence[str],
-    args: Sequence[Any],
-    replicas: int,
-    timeout: float,
-) -> tuple[Any, int]:
-    """Async twin of :func:`run_acknowledged`."""
-    return await aloading(_arun_with_wait, _load, client, script, keys, args, replicas, timeout)
+async def arun_acknowledged(*call: Any) -> tuple[Any, int]:
+    """Async twin of :func:`run_acknowledged`: the same arguments, an asyncio client."""
+    return await aloading(_arun_with_wait, _load, *call)
