@@ -26,7 +26,8 @@ import warnings
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import asdict, dataclass, field
 from datetime import datetime, timezone
-from typing import Any, NamedTuple
+from functools import partial
+from typing import Any, NamedTuple, TypeVar
 
 from redis.exceptions import ResponseError
 
@@ -66,6 +67,8 @@ SCAN_BATCH = 500
 # What makes one master of a quorum fail without failing the others: it cannot
 # be reached, or it answers with an error (ACLs, a foreign value at a lock key).
 _MEMBER_FAILURES = (*UNAVAILABLE, ResponseError)
+
+_T = TypeVar("_T")
 
 
 def seconds_since(moment: datetime) -> float:
@@ -184,20 +187,8 @@ class HeldSemaphore:
 
     def as_dict(self) -> dict[str, Any]:
         """Return the semaphore as plain data (for JSON output)."""
-        return {
-            "name": self.name,
-            "limit": self.limit,
-            "waiters": self.waiters,
-            "holders": [
-                {
-                    "token": h.token,
-                    "owner": h.owner.as_dict(),
-                    "time_left": h.time_left,
-                    "fence": h.fence,
-                }
-                for h in self.holders
-            ],
-        }
+        holders = [{**asdict(h), "owner": h.owner.as_dict()} for h in self.holders]
+        return {"name": self.name, "limit": self.limit, "waiters": self.waiters, "holders": holders}
 
 
 @dataclass(frozen=True)
@@ -321,16 +312,52 @@ def _unreachable(
     )
 
 
-def _may_still_hold(noun: str) -> str:
-    """Say why a reset that missed a majority is an error, not a success."""
-    return (
-        f"together they are a majority, so the {noun} may still be held there. "
-        "Nothing was reported as released; reset again once they are back."
-    )
+def _each(
+    label: str,
+    members: tuple[str, ...] | None,
+    run: Callable[[str], _T],
+    errors: dict[str, BaseException],
+    name: str | None = None,
+) -> dict[str, _T]:
+    """Return ``run(alias)`` of the one Redis ``label``, or of each master of a quorum that answers.
+
+    One Redis failing fails the operation (LockBackendUnavailable when it cannot
+    be reached). A master of a quorum failing is recorded in ``errors`` and
+    skipped from then on: the caller weighs the failures against the majority.
+    """
+    if members is None:
+        with backend_errors(name, label):
+            return {label: run(label)}
+    done: dict[str, _T] = {}
+    for alias in members:
+        if alias in errors:
+            continue
+        try:
+            done[alias] = run(alias)
+        except _MEMBER_FAILURES as exc:
+            errors[alias] = exc
+    return done
 
 
-def _quorum(members: tuple[str, ...]) -> int:
-    return quorum_of(len(members))
+def _check_reset(
+    what: str,
+    label: str,
+    members: tuple[str, ...] | None,
+    errors: dict[str, BaseException],
+    noun: str,
+    name: str | None = None,
+) -> None:
+    """Raise when the masters a reset could not reach are a majority: the hold may live on there.
+
+    Raised after the reachable masters were reset; fewer failures than that
+    cannot hold a majority, so the reset counts as done.
+    """
+    if members is not None and len(errors) >= quorum_of(len(members)):
+        why = (
+            f"together they are a majority, so the {noun} may still be held there. "
+            "Nothing was reported as released; reset again once they are back."
+        )
+        raise _unreachable(what, label, members, errors, why, name)
 
 
 # -- reading ---------------------------------------------------------------------
@@ -519,21 +546,20 @@ def _merge(copies: list[ListedLock], quorum: int) -> list[ListedLock]:
     return found
 
 
-def _found_on_quorum(label: str, members: tuple[str, ...], kind: _Kind) -> list[_Found]:
-    clients = {alias: get_client(alias) for alias in members}
-    for alias in members:
+def _found(using: str | Sequence[str], kind: _Kind) -> list[_Found]:
+    """Return the locks (or semaphores) of ``kind`` held in ``using`` now, sorted by name.
+
+    One Redis is read as a quorum of one: its holds are merged as a quorum's
+    copies are, each counted on the one master it is on.
+    """
+    label, members = _resolve(using)
+    aliases = members or (label,)
+    clients = {alias: get_client(alias) for alias in aliases}
+    for alias in aliases:
         namespace(alias)  # a misconfigured member fails before any read
-    by_tag: dict[str, list[_Found]] = {}
     errors: dict[str, BaseException] = {}
-    for alias in members:
-        try:
-            rows = list(_read(clients[alias], alias, kind))
-        except _MEMBER_FAILURES as exc:
-            errors[alias] = exc
-            continue
-        for row in rows:
-            by_tag.setdefault(row.tag, []).append(row)
-    if len(members) - len(errors) < _quorum(members):
+    read = _each(label, members, lambda alias: list(_read(clients[alias], alias, kind)), errors)
+    if members is not None and len(read) < quorum_of(len(members)):
         # Too few masters answered for anything to show a majority.
         raise _unreachable(
             f"list the {kind.noun}s",
@@ -542,27 +568,19 @@ def _found_on_quorum(label: str, members: tuple[str, ...], kind: _Kind) -> list[
             errors,
             f"too few answered to tell which {kind.noun}s a majority holds.",
         )
+    by_tag: dict[str, list[_Found]] = {}
+    for rows in read.values():
+        for row in rows:
+            by_tag.setdefault(row.tag, []).append(row)
     found: list[_Found] = []
     for tag, copies in by_tag.items():
         # A permit counts on as many masters as a quorum semaphore needs; the
         # smallest limit kept asks the fewest, so no granted permit goes unlisted.
         limits = [copy.limit for copy in copies if copy.limit is not None]
         limit = min(limits) if limits else None
-        quorum = quorum_of(len(members), limit or 1)
+        quorum = quorum_of(len(aliases), limit or 1)
         merged = _merge([copy.listed for copy in copies], quorum)
         found.extend(_Found(tag, listed, limit) for listed in merged)
-    return found
-
-
-def _found(using: str | Sequence[str], kind: _Kind) -> list[_Found]:
-    """Return the locks (or semaphores) of ``kind`` held in ``using`` now, sorted by name."""
-    alias, members = _resolve(using)
-    if members is not None:
-        found = _found_on_quorum(alias, members, kind)
-    else:
-        client = get_client(alias)
-        with backend_errors(None, alias):
-            found = list(_read(client, alias, kind))
     found.sort(key=lambda item: item.listed.held.name)
     return found
 
@@ -640,39 +658,30 @@ def semaphore_lines(
 # -- resetting ---------------------------------------------------------------------
 
 
-def _reset_on_members(
-    members: tuple[str, ...], keys_of: dict[str, LockKeys], errors: dict[str, BaseException]
-) -> int:
-    """Run RESET on every member not failed yet; return the most holders one of them had."""
-    held = 0
-    for alias in members:
-        if alias in errors:
-            continue
-        try:
-            done = run_steps(reset_steps(alias, keys_of[alias]))
-        except _MEMBER_FAILURES as exc:
-            errors[alias] = exc
-            continue
-        held = max(held, done)
-    return held
+def _reset(name: str, using: str | Sequence[str], kind: _Kind, token: str | None = None) -> int:
+    """Force-release ``name`` of ``kind`` on the Redis of ``using``; return the most one master had.
 
-
-def _reset(name: str, using: str | Sequence[str], kind: _Kind) -> int:
-    """Force-release the lock (or semaphore) ``name`` of ``kind``; return how many held it."""
+    With ``token`` (a listed acquisition's), only while that acquisition holds it.
+    """
     validate_name(name)
-    alias, members = _resolve(using)
-    if members is None:
-        ensure_resettable(alias, kind.noun)
+    ensure_resettable(using, kind.noun)
+    label, members = _resolve(using)
+    for alias in members or (label,):
+        namespace(alias)  # a misconfigured master fails before any write
+
+    def run(alias: str) -> int:
         keys = kind.keys(namespace(alias), name)
-        with backend_errors(name, alias):
+        if token is None:
             return run_steps(reset_steps(alias, keys))
-    keys_of = {member: kind.keys(namespace(member), name) for member in members}
+        # The holder's own release script, so the compare on the token and the
+        # hand-off to the first waiter follow its contract (see scripts.RELEASE).
+        # Each holder of a shared lock is released as itself, every one of them.
+        return any([run_steps(release_steps(alias, keys, one)) for one in token.split()])
+
     errors: dict[str, BaseException] = {}
-    held = _reset_on_members(members, keys_of, errors)
-    if len(errors) >= _quorum(members):
-        what = f"reset {kind.noun} {name!r}"
-        raise _unreachable(what, alias, members, errors, _may_still_hold(kind.noun), name)
-    return held
+    done = _each(label, members, run, errors, name)
+    _check_reset(f"reset {kind.noun} {name!r}", label, members, errors, kind.noun, name)
+    return max(done.values(), default=0)
 
 
 def reset(name: str, using: str | Sequence[str] = "default") -> bool:
@@ -714,27 +723,6 @@ def reset_semaphore(name: str, using: str | Sequence[str] = "default") -> int:
     return _reset(name, using, _SEMAPHORES)
 
 
-def _reset_all_on_quorum(label: str, members: tuple[str, ...]) -> int:
-    spaces = {alias: namespace(alias) for alias in members}
-    errors: dict[str, BaseException] = {}
-    tags: set[str] = set()
-    for alias in members:
-        skip = len(spaces[alias]) + 1
-        try:
-            for batch in _keys_of_kind(get_client(alias), alias, _LOCKS):
-                tags.update(key[skip:] for key in batch)
-        except _MEMBER_FAILURES as exc:
-            errors[alias] = exc
-    count = 0
-    for tag in sorted(tags):
-        # The same lock on every master: that master's namespace, the same tag.
-        keys_of = {alias: LockKeys.for_lock_key(f"{spaces[alias]}:{tag}") for alias in members}
-        count += _reset_on_members(members, keys_of, errors) > 0
-    if len(errors) >= _quorum(members):
-        raise _unreachable("reset every lock", label, members, errors, _may_still_hold("lock"))
-    return count
-
-
 def reset_all(using: str | Sequence[str] = "default") -> int:
     """Force-release every lock of this app in cache ``using``; return how many were held.
 
@@ -744,30 +732,27 @@ def reset_all(using: str | Sequence[str] = "default") -> int:
     quorum raises ValueError (see
     :func:`~django_redis_mutex.introspection.ensure_resettable`).
     """
-    alias, members = _resolve(using)
-    if members is not None:
-        return _reset_all_on_quorum(alias, members)
-    ensure_resettable(alias)
-    client = get_client(alias)
+    ensure_resettable(using)
+    label, members = _resolve(using)
+    spaces = {alias: namespace(alias) for alias in members or (label,)}
+    tags: set[str] = set()
+
+    def scan(alias: str) -> None:
+        for batch in _keys_of_kind(get_client(alias), alias, _LOCKS):
+            tags.update(key[len(spaces[alias]) + 1 :] for key in batch)
+
+    errors: dict[str, BaseException] = {}
+    _each(label, members, scan, errors)
     count = 0
-    with backend_errors(None, alias):
-        for batch in _keys_of_kind(client, alias, _LOCKS):
-            for key in batch:
-                keys = LockKeys.for_lock_key(key)
-                count += run_steps(reset_steps(alias, keys)) > 0
+    for tag in sorted(tags):
+        # The same lock on every master: that master's namespace, the same tag.
+        count += any(_each(label, members, partial(_reset_tag, tag), errors).values())
+    _check_reset("reset every lock", label, members, errors, "lock")
     return count
 
 
-def _release_as(alias: str, keys: LockKeys, token: str) -> bool:
-    """Release the lock at ``keys`` as the holder of ``token`` would; return True if it held it.
-
-    The holder's own release script, so the compare on the token and the
-    hand-off to the first waiter follow its contract (see scripts.RELEASE).
-    """
-    released = False
-    for one in token.split():  # a shared lock's holders, each released as itself
-        released = run_steps(release_steps(alias, keys, one)) or released
-    return released
+def _reset_tag(tag: str, alias: str) -> int:
+    return run_steps(reset_steps(alias, LockKeys.for_lock_key(f"{namespace(alias)}:{tag}")))
 
 
 def reset_listed(listed: ListedLock, using: str | Sequence[str] = "default") -> bool:
@@ -787,23 +772,4 @@ def reset_listed(listed: ListedLock, using: str | Sequence[str] = "default") -> 
 
     .. versionadded:: 0.1
     """
-    name = listed.held.name
-    validate_name(name)
-    alias, members = _resolve(using)
-    if members is None:
-        ensure_resettable(alias)
-        keys = LockKeys.for_name(namespace(alias), name)
-        with backend_errors(name, alias):
-            return _release_as(alias, keys, listed.token)
-    errors: dict[str, BaseException] = {}
-    released = False
-    for member in members:
-        keys = LockKeys.for_name(namespace(member), name)
-        try:
-            released = _release_as(member, keys, listed.token) or released
-        except _MEMBER_FAILURES as exc:
-            errors[member] = exc
-    if len(errors) >= _quorum(members):
-        why = _may_still_hold("lock")
-        raise _unreachable(f"reset lock {name!r}", alias, members, errors, why, name)
-    return released
+    return _reset(listed.held.name, using, _LOCKS, listed.token) > 0
