@@ -9,14 +9,10 @@ across a quorum and reset by the same functions as a lock, given its keys.
 
 ``using`` is a cache alias, as for :class:`~django_redis_mutex.Mutex`, or a
 quorum: an alias whose ``MUTEX`` block names a ``QUORUM``, or a list of
-aliases. A quorum lock lives on every master under that master's own
-namespace, and its holder's watchdog keeps renewing it as long as a majority
-still has its token, so a quorum lock is only ever reset on all of its masters
-at once: clearing one of them would report "released" while the lock stays
-held. For the same reason a plain alias that is a member of a configured
-``QUORUM`` is refused for resets (see :func:`ensure_resettable`). A semaphore's
-permits follow the same rules, except that a permit counts as held on as many
-masters as a quorum :class:`~django_redis_mutex.Semaphore` needs.
+aliases. One Redis is read and reset as a quorum of one master. A quorum lock
+lives on every master under that master's own namespace, and its holder's
+watchdog keeps renewing it as long as a majority still has its token, so it is
+only ever reset on all of its masters at once (see :func:`ensure_resettable`).
 """
 
 from __future__ import annotations
@@ -26,7 +22,8 @@ import warnings
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import asdict, dataclass, field
 from datetime import datetime, timezone
-from typing import Any, NamedTuple
+from functools import partial
+from typing import Any, NamedTuple, TypeVar
 
 from redis.exceptions import ResponseError
 
@@ -66,6 +63,8 @@ SCAN_BATCH = 500
 # What makes one master of a quorum fail without failing the others: it cannot
 # be reached, or it answers with an error (ACLs, a foreign value at a lock key).
 _MEMBER_FAILURES = (*UNAVAILABLE, ResponseError)
+
+_T = TypeVar("_T")
 
 
 def seconds_since(moment: datetime) -> float:
@@ -171,9 +170,9 @@ class SemaphoreHolder:
 class HeldSemaphore:
     """One semaphore with at least one permit held, as read from Redis.
 
-    On a quorum, ``holders`` are the permits held on as many masters as their
-    a quorum :class:`~django_redis_mutex.Semaphore` needs, and
-    ``limit`` the smallest limit those masters keep.
+    On a quorum, ``holders`` are the permits held on as many masters as a
+    quorum :class:`~django_redis_mutex.Semaphore` needs, and ``limit`` the
+    smallest limit those masters keep.
     """
 
     name: str
@@ -184,20 +183,8 @@ class HeldSemaphore:
 
     def as_dict(self) -> dict[str, Any]:
         """Return the semaphore as plain data (for JSON output)."""
-        return {
-            "name": self.name,
-            "limit": self.limit,
-            "waiters": self.waiters,
-            "holders": [
-                {
-                    "token": h.token,
-                    "owner": h.owner.as_dict(),
-                    "time_left": h.time_left,
-                    "fence": h.fence,
-                }
-                for h in self.holders
-            ],
-        }
+        holders = [{**asdict(h), "owner": h.owner.as_dict()} for h in self.holders]
+        return {"name": self.name, "limit": self.limit, "waiters": self.waiters, "holders": holders}
 
 
 @dataclass(frozen=True)
@@ -219,9 +206,7 @@ _SEMAPHORES = _Kind("semaphore", semaphore_pattern, LockKeys.for_semaphore)
 def _resolve(using: object) -> tuple[str, tuple[str, ...] | None]:
     """Return (the one alias, None) for a single Redis, or (a label, the members) for a quorum.
 
-    Follows :class:`~django_redis_mutex.Mutex`: a list of two or more aliases,
-    or an alias whose MUTEX block names a QUORUM, is a quorum; a list of one
-    alias is that alias.
+    As :class:`~django_redis_mutex.Mutex` reads it: a list of one alias is that alias.
     """
     if isinstance(using, (list, tuple)):
         aliases = validate_aliases(using)
@@ -247,9 +232,9 @@ def eviction_policies(using: str | Sequence[str] = "default") -> list[EvictionPo
     listings. Read afresh, within a short timeout; a server that cannot be
     reached is left out (the listing itself reports it).
     """
-    aliases = quorum_members(using) or (_resolve(using)[0],)
+    label, members = _resolve(using)
     found = []
-    for alias in aliases:
+    for alias in members or (label,):
         try:
             with probe_client(alias) as client:
                 found.append(read_policy(client, alias, stats=True))
@@ -285,9 +270,8 @@ def ensure_resettable(using: str | Sequence[str], noun: str = "lock") -> None:
     of every master) instead runs the reset on every master, in each master's
     own namespace, so it also clears a plain lock of that name on the member.
     Quorums built only in code (``using=[...]`` lists) are not in settings and
-    cannot be detected: reset those with the same list. The rule holds for a
-    semaphore's permits too; ``noun`` ("lock", "semaphore") names what the
-    refusal is about.
+    cannot be detected: reset those with the same list. ``noun`` ("lock",
+    "semaphore") names what the refusal is about.
     """
     alias, members = _resolve(using)
     if members is not None:
@@ -304,33 +288,56 @@ def ensure_resettable(using: str | Sequence[str], noun: str = "lock") -> None:
     )
 
 
-def _unreachable(
-    what: str,
-    label: str,
-    members: tuple[str, ...],
-    errors: dict[str, BaseException],
-    why: str,
-    name: str | None = None,
-) -> LockBackendUnavailable:
-    """Return the error of a quorum operation that too many masters did not answer."""
-    detail = "; ".join(f"{alias}: {exc}" for alias, exc in errors.items())
-    return LockBackendUnavailable(
-        f"Cannot {what} on quorum {label!r}: {len(errors)} of {len(members)} Redis masters "
-        f"could not be reached ({detail}); {why}",
-        name=name,
-    )
+class _Masters:
+    """The Redis a ``using`` names: one alias, or the masters of a quorum, and those that failed.
 
+    One Redis failing fails the operation at once (LockBackendUnavailable when
+    it cannot be reached). A master of a quorum that fails is recorded in
+    ``errors`` and skipped from then on: the caller weighs the failures
+    against the majority.
+    """
 
-def _may_still_hold(noun: str) -> str:
-    """Say why a reset that missed a majority is an error, not a success."""
-    return (
-        f"together they are a majority, so the {noun} may still be held there. "
-        "Nothing was reported as released; reset again once they are back."
-    )
+    def __init__(self, using: str | Sequence[str]) -> None:
+        self.label, self.members = _resolve(using)
+        self.aliases = self.members or (self.label,)
+        self.errors: dict[str, BaseException] = {}
+        for alias in self.aliases:  # a misconfigured master fails before any command
+            get_client(alias)
+            namespace(alias)
 
+    def each(self, run: Callable[[str], _T], name: str | None = None) -> dict[str, _T]:
+        """Return ``run(alias)`` of each Redis that answers."""
+        if self.members is None:
+            with backend_errors(name, self.label):
+                return {self.label: run(self.label)}
+        done: dict[str, _T] = {}
+        for alias in self.members:
+            if alias in self.errors:
+                continue
+            try:
+                done[alias] = run(alias)
+            except _MEMBER_FAILURES as exc:
+                self.errors[alias] = exc
+        return done
 
-def _quorum(members: tuple[str, ...]) -> int:
-    return quorum_of(len(members))
+    def unreachable(self, what: str, why: str, name: str | None = None) -> LockBackendUnavailable:
+        """Return the error of a quorum operation that too many masters did not answer."""
+        detail = "; ".join(f"{alias}: {exc}" for alias, exc in self.errors.items())
+        return LockBackendUnavailable(
+            f"Cannot {what} on quorum {self.label!r}: {len(self.errors)} of "
+            f"{len(self.aliases)} Redis masters could not be reached ({detail}); {why}",
+            name=name,
+        )
+
+    def check_reset(self, noun: str, name: str | None = None) -> None:
+        """Raise when the masters a reset missed are a majority: the hold may live on there."""
+        if len(self.errors) >= quorum_of(len(self.aliases)):
+            what = f"reset every {noun}" if name is None else f"reset {noun} {name!r}"
+            why = (
+                f"together they are a majority, so the {noun} may still be held there. "
+                "Nothing was reported as released; reset again once they are back."
+            )
+            raise self.unreachable(what, why, name)
 
 
 # -- reading ---------------------------------------------------------------------
@@ -359,7 +366,6 @@ def scanned_keys(client: Any, pattern: str) -> Iterator[list[str]]:
 
 
 def _keys_of_kind(client: Any, alias: str, kind: _Kind) -> Iterator[list[str]]:
-    """Yield batches of the main keys of ``kind`` in ``alias``'s namespace, each key once."""
     return scanned_keys(client, kind.pattern(namespace(alias)))
 
 
@@ -481,9 +487,9 @@ def _on_quorum(copies: Sequence[HeldLock | SharedHolder], quorum: int) -> dict[s
 def _merge(copies: list[ListedLock], quorum: int) -> list[ListedLock]:
     """Return what ``quorum`` masters hold of one key, from its copies on each master.
 
-    An exclusive hold counts when its token is on ``quorum`` masters; a lock
-    held shared (a semaphore's permits) lists the holders whose own token is,
-    each counted alone: the masters need not hold the same set of holders.
+    A lock held shared (a semaphore's permits) lists the holders whose own
+    token is on ``quorum`` masters, each counted alone: the masters need not
+    hold the same set of holders.
     """
     exclusive: dict[str, list[HeldLock]] = {}
     shared: dict[str, list[SharedHolder]] = {}
@@ -519,50 +525,33 @@ def _merge(copies: list[ListedLock], quorum: int) -> list[ListedLock]:
     return found
 
 
-def _found_on_quorum(label: str, members: tuple[str, ...], kind: _Kind) -> list[_Found]:
-    clients = {alias: get_client(alias) for alias in members}
-    for alias in members:
-        namespace(alias)  # a misconfigured member fails before any read
-    by_tag: dict[str, list[_Found]] = {}
-    errors: dict[str, BaseException] = {}
-    for alias in members:
-        try:
-            rows = list(_read(clients[alias], alias, kind))
-        except _MEMBER_FAILURES as exc:
-            errors[alias] = exc
-            continue
-        for row in rows:
-            by_tag.setdefault(row.tag, []).append(row)
-    if len(members) - len(errors) < _quorum(members):
+def _found(using: str | Sequence[str], kind: _Kind) -> list[_Found]:
+    """Return the locks (or semaphores) of ``kind`` held in ``using`` now, sorted by name.
+
+    One Redis is read as a quorum of one: its holds are merged as a quorum's
+    copies are, each counted on the one master it is on.
+    """
+    masters = _Masters(using)
+    read = masters.each(lambda alias: list(_read(get_client(alias), alias, kind)))
+    if len(read) < quorum_of(len(masters.aliases)):
         # Too few masters answered for anything to show a majority.
-        raise _unreachable(
+        raise masters.unreachable(
             f"list the {kind.noun}s",
-            label,
-            members,
-            errors,
             f"too few answered to tell which {kind.noun}s a majority holds.",
         )
+    by_tag: dict[str, list[_Found]] = {}
+    for rows in read.values():
+        for row in rows:
+            by_tag.setdefault(row.tag, []).append(row)
     found: list[_Found] = []
     for tag, copies in by_tag.items():
         # A permit counts on as many masters as a quorum semaphore needs; the
         # smallest limit kept asks the fewest, so no granted permit goes unlisted.
         limits = [copy.limit for copy in copies if copy.limit is not None]
         limit = min(limits) if limits else None
-        quorum = quorum_of(len(members), limit or 1)
+        quorum = quorum_of(len(masters.aliases), limit or 1)
         merged = _merge([copy.listed for copy in copies], quorum)
         found.extend(_Found(tag, listed, limit) for listed in merged)
-    return found
-
-
-def _found(using: str | Sequence[str], kind: _Kind) -> list[_Found]:
-    """Return the locks (or semaphores) of ``kind`` held in ``using`` now, sorted by name."""
-    alias, members = _resolve(using)
-    if members is not None:
-        found = _found_on_quorum(alias, members, kind)
-    else:
-        client = get_client(alias)
-        with backend_errors(None, alias):
-            found = list(_read(client, alias, kind))
     found.sort(key=lambda item: item.listed.held.name)
     return found
 
@@ -582,9 +571,8 @@ def held_locks(using: str | Sequence[str] = "default") -> list[HeldLock]:
 def listed_locks(using: str | Sequence[str] = "default") -> list[ListedLock]:
     """Return the locks :func:`~django_redis_mutex.held_locks` returns, each with its token.
 
-    Each carries the token its lock is held under, for a reset of a selection
-    an operator saw (:func:`reset_listed`): what changed hands after this
-    listing is then left alone.
+    The token is for a reset of a selection an operator saw (:func:`reset_listed`):
+    what changed hands after this listing is then left alone.
 
     .. versionadded:: 0.1
     """
@@ -594,11 +582,10 @@ def listed_locks(using: str | Sequence[str] = "default") -> list[ListedLock]:
 def held_semaphores(using: str | Sequence[str] = "default") -> list[HeldSemaphore]:
     """Return the semaphores of ``using`` with permits held now, each with its holders.
 
-    For a quorum, as :func:`~django_redis_mutex.held_locks` does for locks: a
-    permit is listed when it is held on as many masters as its
-    a quorum :class:`~django_redis_mutex.Semaphore` needs (for the
-    limit the semaphore's hash keeps; a majority if none is kept), and too
-    few masters reachable raise LockBackendUnavailable naming them.
+    For a quorum, as :func:`~django_redis_mutex.held_locks` does for locks,
+    but a permit is listed when it is held on as many masters as a quorum
+    :class:`~django_redis_mutex.Semaphore` needs for the limit the semaphore's
+    hash keeps (a majority if none is kept).
 
     .. versionchanged:: 0.3.0
        ``using`` may be a quorum.
@@ -640,39 +627,27 @@ def semaphore_lines(
 # -- resetting ---------------------------------------------------------------------
 
 
-def _reset_on_members(
-    members: tuple[str, ...], keys_of: dict[str, LockKeys], errors: dict[str, BaseException]
-) -> int:
-    """Run RESET on every member not failed yet; return the most holders one of them had."""
-    held = 0
-    for alias in members:
-        if alias in errors:
-            continue
-        try:
-            done = run_steps(reset_steps(alias, keys_of[alias]))
-        except _MEMBER_FAILURES as exc:
-            errors[alias] = exc
-            continue
-        held = max(held, done)
-    return held
+def _reset(name: str, using: str | Sequence[str], kind: _Kind, token: str | None = None) -> int:
+    """Force-release ``name`` of ``kind`` on the Redis of ``using``; return the most one master had.
 
-
-def _reset(name: str, using: str | Sequence[str], kind: _Kind) -> int:
-    """Force-release the lock (or semaphore) ``name`` of ``kind``; return how many held it."""
+    With ``token`` (a listed acquisition's), only while that acquisition holds it.
+    """
     validate_name(name)
-    alias, members = _resolve(using)
-    if members is None:
-        ensure_resettable(alias, kind.noun)
+    ensure_resettable(using, kind.noun)
+    masters = _Masters(using)
+
+    def run(alias: str) -> int:
         keys = kind.keys(namespace(alias), name)
-        with backend_errors(name, alias):
+        if token is None:
             return run_steps(reset_steps(alias, keys))
-    keys_of = {member: kind.keys(namespace(member), name) for member in members}
-    errors: dict[str, BaseException] = {}
-    held = _reset_on_members(members, keys_of, errors)
-    if len(errors) >= _quorum(members):
-        what = f"reset {kind.noun} {name!r}"
-        raise _unreachable(what, alias, members, errors, _may_still_hold(kind.noun), name)
-    return held
+        # The holder's own release script, so the compare on the token and the
+        # hand-off to the first waiter follow its contract (see scripts.RELEASE).
+        # Each holder of a shared lock is released as itself, every one of them.
+        return any([run_steps(release_steps(alias, keys, one)) for one in token.split()])
+
+    done = masters.each(run, name)
+    masters.check_reset(kind.noun, name)
+    return max(done.values(), default=0)
 
 
 def reset(name: str, using: str | Sequence[str] = "default") -> bool:
@@ -703,10 +678,8 @@ def reset_semaphore(name: str, using: str | Sequence[str] = "default") -> int:
     woken; a holder whose permit was freed learns it when it leaves its block
     (LockLost) or at its next renewal.
 
-    For a quorum the permits are freed on every master, with the rules of
-    :func:`~django_redis_mutex.reset` for masters that cannot be reached and
-    for a member alias of a configured quorum; the count is the most permits
-    one master held.
+    A quorum is reset as by :func:`~django_redis_mutex.reset`; the count is
+    the most permits one master held.
 
     .. versionchanged:: 0.3.0
        ``using`` may be a quorum.
@@ -714,60 +687,33 @@ def reset_semaphore(name: str, using: str | Sequence[str] = "default") -> int:
     return _reset(name, using, _SEMAPHORES)
 
 
-def _reset_all_on_quorum(label: str, members: tuple[str, ...]) -> int:
-    spaces = {alias: namespace(alias) for alias in members}
-    errors: dict[str, BaseException] = {}
-    tags: set[str] = set()
-    for alias in members:
-        skip = len(spaces[alias]) + 1
-        try:
-            for batch in _keys_of_kind(get_client(alias), alias, _LOCKS):
-                tags.update(key[skip:] for key in batch)
-        except _MEMBER_FAILURES as exc:
-            errors[alias] = exc
-    count = 0
-    for tag in sorted(tags):
-        # The same lock on every master: that master's namespace, the same tag.
-        keys_of = {alias: LockKeys.for_lock_key(f"{spaces[alias]}:{tag}") for alias in members}
-        count += _reset_on_members(members, keys_of, errors) > 0
-    if len(errors) >= _quorum(members):
-        raise _unreachable("reset every lock", label, members, errors, _may_still_hold("lock"))
-    return count
-
-
 def reset_all(using: str | Sequence[str] = "default") -> int:
     """Force-release every lock of this app in cache ``using``; return how many were held.
 
     For a quorum, every lock name found on any master is reset on every
-    master, and the count is of distinct names some master held. Unreachable
-    masters are handled as by :func:`reset`; a member alias of a configured
-    quorum raises ValueError (see
-    :func:`~django_redis_mutex.introspection.ensure_resettable`).
+    master as by :func:`reset`, and the count is of distinct names some
+    master held.
     """
-    alias, members = _resolve(using)
-    if members is not None:
-        return _reset_all_on_quorum(alias, members)
-    ensure_resettable(alias)
-    client = get_client(alias)
+    ensure_resettable(using)
+    masters = _Masters(using)
+    tags: set[str] = set()
+
+    def scan(alias: str) -> None:
+        skip = len(namespace(alias)) + 1
+        for batch in _keys_of_kind(get_client(alias), alias, _LOCKS):
+            tags.update(key[skip:] for key in batch)
+
+    masters.each(scan)
     count = 0
-    with backend_errors(None, alias):
-        for batch in _keys_of_kind(client, alias, _LOCKS):
-            for key in batch:
-                keys = LockKeys.for_lock_key(key)
-                count += run_steps(reset_steps(alias, keys)) > 0
+    for tag in sorted(tags):
+        # The same lock on every master: that master's namespace, the same tag.
+        count += any(masters.each(partial(_reset_tag, tag)).values())
+    masters.check_reset("lock")
     return count
 
 
-def _release_as(alias: str, keys: LockKeys, token: str) -> bool:
-    """Release the lock at ``keys`` as the holder of ``token`` would; return True if it held it.
-
-    The holder's own release script, so the compare on the token and the
-    hand-off to the first waiter follow its contract (see scripts.RELEASE).
-    """
-    released = False
-    for one in token.split():  # a shared lock's holders, each released as itself
-        released = run_steps(release_steps(alias, keys, one)) or released
-    return released
+def _reset_tag(tag: str, alias: str) -> int:
+    return run_steps(reset_steps(alias, LockKeys.for_lock_key(f"{namespace(alias)}:{tag}")))
 
 
 def reset_listed(listed: ListedLock, using: str | Sequence[str] = "default") -> bool:
@@ -779,31 +725,10 @@ def reset_listed(listed: ListedLock, using: str | Sequence[str] = "default") -> 
     with :func:`~django_redis_mutex.reset`, the first waiter is handed the
     lock and woken.
 
-    For a quorum the release runs on every master and returns True if any of
-    them still held that token; masters that cannot be reached are handled as
-    by :func:`~django_redis_mutex.reset`, and a member alias of a configured
-    quorum raises ValueError (see
-    :func:`~django_redis_mutex.introspection.ensure_resettable`).
+    For a quorum the release runs on every master as by
+    :func:`~django_redis_mutex.reset`, and returns True if any of them still
+    held that token.
 
     .. versionadded:: 0.1
     """
-    name = listed.held.name
-    validate_name(name)
-    alias, members = _resolve(using)
-    if members is None:
-        ensure_resettable(alias)
-        keys = LockKeys.for_name(namespace(alias), name)
-        with backend_errors(name, alias):
-            return _release_as(alias, keys, listed.token)
-    errors: dict[str, BaseException] = {}
-    released = False
-    for member in members:
-        keys = LockKeys.for_name(namespace(member), name)
-        try:
-            released = _release_as(member, keys, listed.token) or released
-        except _MEMBER_FAILURES as exc:
-            errors[member] = exc
-    if len(errors) >= _quorum(members):
-        why = _may_still_hold("lock")
-        raise _unreachable(f"reset lock {name!r}", alias, members, errors, why, name)
-    return released
+    return _reset(listed.held.name, using, _LOCKS, listed.token) > 0

@@ -1,40 +1,19 @@
-"""``manage.py locks``: list the locks held in one cache alias, or force-release them.
+"""``manage.py locks``: list the locks and semaphores held in one cache alias, or reset them.
 
 A thin shell over :mod:`django_redis_mutex.introspection`, which the admin
 inspector shares, so both see and reset exactly the same keys (found with SCAN
-within this app's namespace, never KEYS, never FLUSHDB). ``--using`` may name a
-quorum alias (one whose MUTEX block has a QUORUM): its locks are listed when a
-majority of the masters hold them, its semaphores' permits when enough masters
-hold them for their limit, and both are reset on every master. A member alias
-of a quorum is refused for resets, which would clear one master only.
+within this app's namespace, never KEYS, never FLUSHDB), on every master of a
+quorum alias. The documentation's operations page describes each flag.
 
 Lock names and labels are often built from request data, so the table shows
 every field with control and bidi characters escaped (``\\x1b``, ``\\u202e``):
 a name cannot clear the operator's screen, retitle the terminal or reorder
 what is printed after it. ``--json`` keeps the exact values (JSON escapes them).
 
-``--host``, ``--pid``, ``--label`` and ``--older-than`` narrow the listing and
-``--reset-all`` to the locks a :class:`~django_redis_mutex.filters.LockFilter`
-matches. A filtered reset shows its selection first and resets each lock only
-while the acquisition that was listed still holds it.
-
-A lock held shared (``mutex(name, shared=True)``) is one entry with
-``(shared)`` after its name and a line per holder below it; ``--json`` gives
-it ``"shared": true`` and its ``holders``. The filters select holders of a
-shared lock: a filtered listing shows, and a filtered ``--reset-all`` frees,
-only the holders that match, leaving the others their hold.
-
-Under the line naming the Redis read, a warning line says how many keys
-that server evicted since it started, when it may evict keys (a
-``maxmemory`` with a policy other than ``noeviction``) or did. ``--json``
-is unchanged: its top level is an array of entries, with no place for it.
-
-Counting semaphores are listed too, unless a filter is given (the filters
-select locks): below the table, and in ``--json`` as entries whose ``kind`` is
-``"semaphore"`` (every lock entry has ``"kind": "lock"``). A semaphore is reset
-only by ``--reset-semaphore NAME``, never by ``--reset`` or ``--reset-all``, so a
-lock and a semaphore of the same name are never confused and clearing stuck
-locks never takes permits from their holders.
+A semaphore is reset only by ``--reset-semaphore``, never by ``--reset`` or
+``--reset-all``, so a lock and a semaphore of the same name are never confused
+and clearing stuck locks never takes permits from their holders. The filters
+select locks (or a shared lock's holders): semaphores are listed without one.
 """
 
 from __future__ import annotations
@@ -47,30 +26,18 @@ from typing import Any
 from django.core.exceptions import ImproperlyConfigured
 from django.core.management.base import BaseCommand, CommandError, CommandParser
 
+from django_redis_mutex import introspection
 from django_redis_mutex.client import get_client
 from django_redis_mutex.display import duration, terminal_safe
 from django_redis_mutex.exceptions import LockBackendUnavailable
 from django_redis_mutex.filters import FILTER_FIELDS, FilterError, LockFilter
-from django_redis_mutex.introspection import (
-    HeldLock,
-    HeldSemaphore,
-    ListedLock,
-    ensure_resettable,
-    eviction_policies,
-    held_locks,
-    held_semaphores,
-    listed_locks,
-    quorum_members,
-    reset,
-    reset_all,
-    reset_listed,
-    reset_semaphore,
-    seconds_since,
-    semaphore_lines,
-)
+from django_redis_mutex.introspection import HeldLock, HeldSemaphore, ListedLock, SharedHolder
 from django_redis_mutex.owners import Owner
 
 COLUMNS = ("NAME", "HOST", "PID", "THREAD", "LABEL", "HELD FOR", "TIME LEFT", "FENCE", "WAITERS")
+
+# The flag that resets holds of each kind by name.
+RESET_FLAGS = {"lock": "--reset", "semaphore": "--reset-semaphore"}
 
 
 def _cell(value: Any) -> str:
@@ -109,6 +76,14 @@ def describe_redis(alias: str) -> str:
     return f"{scheme}://{host}:{kwargs.get('port', 6379)}/{db}"
 
 
+def source_line(alias: str, members: tuple[str, ...] | None) -> str:
+    """Return the line naming the cache alias and the Redis (or the quorum's masters) it read."""
+    if members:
+        where = "; ".join(f"{member!r} at {describe_redis(member)}" for member in members)
+        return f"Cache {alias!r} (a quorum of {where}):"
+    return f"Cache {alias!r} at {describe_redis(alias)}:"
+
+
 # After a shared lock's name, and in the name column of its further holders' lines.
 SHARED_MARK = "(shared)"
 MORE_HOLDERS = "  + shared"
@@ -122,27 +97,18 @@ def table_rows(locks: list[HeldLock]) -> list[tuple[str, ...]]:
     """
     rows: list[tuple[str, ...]] = []
     for lock in locks:
-        if not lock.shared:
-            rows.append(
-                (
-                    terminal_safe(lock.name),
-                    *_owner_cells(lock.owner),
-                    duration(lock.held_for),
-                    duration(lock.time_left),
-                    str(lock.fence),
-                    str(lock.waiters),
-                )
-            )
-            continue
-        for index, holder in enumerate(lock.holders):
+        name = terminal_safe(lock.name)
+        # An exclusive lock is its own one holder.
+        holds: tuple[HeldLock | SharedHolder, ...] = lock.holders or (lock,)
+        for index, hold in enumerate(holds):
             first = index == 0
             rows.append(
                 (
-                    f"{terminal_safe(lock.name)} {SHARED_MARK}" if first else MORE_HOLDERS,
-                    *_owner_cells(holder.owner),
-                    duration(seconds_since(holder.acquired_at)),
-                    duration(holder.time_left),
-                    str(holder.fence),
+                    (f"{name} {SHARED_MARK}" if lock.shared else name) if first else MORE_HOLDERS,
+                    *_owner_cells(hold.owner),
+                    duration(introspection.seconds_since(hold.acquired_at)),
+                    duration(hold.time_left),
+                    str(hold.fence),
                     str(lock.waiters) if first else "",
                 )
             )
@@ -157,6 +123,42 @@ def _owner_cells(owner: Owner) -> tuple[str, str, str, str]:
         waiting = terminal_safe(f"(kept until its transaction on {databases} ends)")
         label = waiting if label == "-" else f"{label} {waiting}"
     return (_cell(owner.host), _cell(owner.pid), _cell(owner.thread), label)
+
+
+def _aligned(rows: list[tuple[str, ...]]) -> list[str]:
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+    return [
+        "  ".join(cell.ljust(width) for cell, width in zip(row, widths, strict=True)).rstrip()
+        for row in rows
+    ]
+
+
+def _summary(
+    alias: str, locks: list[HeldLock], members: tuple[str, ...] | None, chosen: str, total: int
+) -> str:
+    """Return the line under the table: how many locks (and holders) it shows, of how many."""
+    if not locks and chosen:
+        if total:
+            return (
+                f"No held lock in cache {alias!r} matches the filter ({chosen}); "
+                f"{_plural(total, 'lock')} held."
+            )
+        return f"No locks are held in cache {alias!r}, so none matches the filter ({chosen})."
+    if not locks:
+        return f"No locks are held in cache {alias!r}."
+    where = f" (on a majority of {', '.join(members)})" if members else ""
+    shared = [lock for lock in locks if lock.shared]
+    if shared:
+        holders = sum(len(lock.holders) for lock in shared)
+        of = "matching " if chosen else ""
+        where += f" ({len(shared)} shared, by {_plural(holders, of + 'holder')})"
+    if not chosen:
+        return f"{_plural(len(locks), 'lock')} held in cache {alias!r}{where}."
+    verb = "matches" if len(locks) == 1 else "match"
+    return (
+        f"{len(locks)} of {_plural(total, 'lock')} held in cache {alias!r}{where} "
+        f"{verb} the filter ({chosen})."
+    )
 
 
 def _selected(listed: list[ListedLock], lock_filter: LockFilter) -> list[ListedLock]:
@@ -176,6 +178,37 @@ def json_entries(locks: list[HeldLock], semaphores: list[HeldSemaphore]) -> list
         *({"kind": "lock", **lock.as_dict()} for lock in locks),
         *({"kind": "semaphore", **held.as_dict()} for held in semaphores),
     ]
+
+
+def _not_held(alias: str, names: list[str], kind: str) -> str:
+    """Say which names no holder has, and which of them are held as the other kind."""
+    if kind == "lock":
+        message = f"No lock {_names(names, ', ')} is held in cache {alias!r}; nothing reset."
+        other, held = "semaphore", {item.name for item in introspection.held_semaphores(alias)}
+        hint = "A semaphore of that name has permits held"
+    else:
+        message = (
+            f"No permit of semaphore {_names(names, ', ')} is held in cache {alias!r}; "
+            "nothing reset."
+        )
+        other, held = "lock", {item.name for item in introspection.held_locks(using=alias)}
+        hint = "A lock of that name is held"
+    clash = sorted(held & set(names))
+    if clash:
+        message += f" {hint}: use {RESET_FLAGS[other]} {_names(clash, ' ')}."
+    return message
+
+
+def _lock_filter(options: dict[str, Any]) -> LockFilter:
+    """Return the filter the options ask for; a bad value is a CommandError naming its flag."""
+    try:
+        return LockFilter.from_strings(**{field: options.get(field) for field in FILTER_FIELDS})
+    except FilterError as exc:
+        raise CommandError(f"{_flag(exc.field)} {exc.problem}") from exc
+
+
+def _names(names: list[str], separator: str) -> str:
+    return separator.join(repr(terminal_safe(name)) for name in names)
 
 
 def _plural(count: int, word: str) -> str:
@@ -212,24 +245,19 @@ class Command(BaseCommand):
                 '"time_left" and is deprecated: it is removed in 0.2.0.'
             ),
         )
-        action.add_argument(
-            "--reset",
-            nargs="+",
-            metavar="NAME",
-            help=(
+        for flag, help_text in (
+            (
+                "--reset",
                 "Force-releases the named locks; fails naming those not held, after "
-                "releasing the others."
+                "releasing the others.",
             ),
-        )
-        action.add_argument(
-            "--reset-semaphore",
-            nargs="+",
-            metavar="NAME",
-            help=(
+            (
+                "--reset-semaphore",
                 "Frees every permit of the named semaphores; fails naming those with no "
-                "permit held."
+                "permit held.",
             ),
-        )
+        ):
+            action.add_argument(flag, nargs="+", metavar="NAME", help=help_text)
         action.add_argument(
             "--reset-all",
             action="store_true",
@@ -265,81 +293,42 @@ class Command(BaseCommand):
 
     def handle(self, *args: Any, **options: Any) -> None:
         alias: str = options["using"]
-        lock_filter = self.lock_filter(options)
-        for names_option, kind in (("reset", "lock"), ("reset_semaphore", "semaphore")):
-            if lock_filter and options[names_option]:
-                raise CommandError(
-                    f"{_flag(names_option)} takes {kind} names; the filters "
-                    f"({', '.join(map(_flag, FILTER_FIELDS))}) go with a listing or --reset-all."
-                )
+        lock_filter = _lock_filter(options)
+        # --reset and --reset-semaphore are one path, for the kind of hold they name.
+        kind = "lock" if options["reset"] else "semaphore"
+        names = options["reset"] or options["reset_semaphore"]
+        if names and lock_filter:
+            raise CommandError(
+                f"{RESET_FLAGS[kind]} takes {kind} names; the filters "
+                f"({', '.join(map(_flag, FILTER_FIELDS))}) go with a listing or --reset-all."
+            )
         with self.lock_errors(alias):
-            if options["reset"]:
-                self.reset_names(alias, options["reset"])
-            elif options["reset_semaphore"]:
-                self.reset_semaphore_names(alias, options["reset_semaphore"])
+            if names:
+                self.reset_names(alias, names, kind)
             elif options["reset_all"] and lock_filter:
                 self.reset_selection(alias, lock_filter, interactive=options["interactive"])
             elif options["reset_all"]:
                 self.reset_everything(alias, interactive=options["interactive"])
             else:
-                found = listed_locks(using=alias)
+                found = introspection.listed_locks(using=alias)
                 # A shared lock is narrowed to the holders the filter selects.
                 locks = [item.held for item in _selected(found, lock_filter)]
                 if options["json"]:
-                    semaphores = [] if lock_filter else held_semaphores(alias)
+                    semaphores = [] if lock_filter else introspection.held_semaphores(alias)
                     self.stdout.write(json.dumps(json_entries(locks, semaphores), indent=2))
                 else:
                     self.show_table(alias, locks, lock_filter, total=len(found))
                     if not lock_filter:
-                        for line in semaphore_lines(alias):
+                        for line in introspection.semaphore_lines(alias):
                             self.stdout.write(terminal_safe(line))
-
-    def reset_semaphore_names(self, alias: str, names: list[str]) -> None:
-        """Free every permit of each named semaphore; fail naming those with none held.
-
-        A name with no permit held is most often a typo or a lock's name: the
-        command exits non-zero so a script notices, after resetting the others.
-        """
-        # Refuse a member of a quorum before resetting any name, as for locks.
-        ensure_resettable(alias, "semaphore")
-        missing = []
-        for name in names:
-            freed = reset_semaphore(name, using=alias)
-            if freed:
-                self.stdout.write(
-                    self.style.SUCCESS(
-                        f"Reset semaphore {terminal_safe(name)!r}: "
-                        f"freed {_plural(freed, 'permit')}."
-                    )
-                )
-            else:
-                missing.append(name)
-        if missing:
-            raise CommandError(self.not_held_semaphores(alias, missing))
-
-    def not_held_semaphores(self, alias: str, names: list[str]) -> str:
-        """Say which semaphores had no permit held, and which of those names are held locks."""
-        shown = ", ".join(repr(terminal_safe(name)) for name in names)
-        message = f"No permit of semaphore {shown} is held in cache {alias!r}; nothing reset."
-        locks = sorted({lock.name for lock in held_locks(using=alias)} & set(names))
-        if locks:
-            as_locks = " ".join(repr(terminal_safe(name)) for name in locks)
-            message += f" A lock of that name is held: use --reset {as_locks}."
-        return message
-
-    def lock_filter(self, options: dict[str, Any]) -> LockFilter:
-        """Return the filter the options ask for; a bad value is a CommandError naming its flag."""
-        try:
-            return LockFilter.from_strings(**{field: options.get(field) for field in FILTER_FIELDS})
-        except FilterError as exc:
-            raise CommandError(f"{_flag(exc.field)} {exc.problem}") from exc
 
     @contextmanager
     def lock_errors(self, alias: str) -> Iterator[None]:
         """Turn a configuration or connection problem into one line on stderr (CommandError)."""
         try:
             yield
-        except ImproperlyConfigured as exc:
+        # TypeError, ValueError: a bad lock name, or a member of a quorum.
+        except (ImproperlyConfigured, TypeError, ValueError) as exc:
             raise CommandError(str(exc)) from exc
         except LockBackendUnavailable as exc:
             if exc.__cause__ is None:
@@ -348,141 +337,88 @@ class Command(BaseCommand):
             raise CommandError(
                 f"Redis for cache {alias!r} is unavailable: {exc.__cause__}"
             ) from exc
-        except (TypeError, ValueError) as exc:  # a bad lock name, or a member of a quorum
-            raise CommandError(str(exc)) from exc
-
-    def source_line(self, alias: str) -> str:
-        """Return the line naming the cache alias and the Redis (or the masters) it read."""
-        members = quorum_members(alias)
-        if members:
-            where = "; ".join(f"{member!r} at {describe_redis(member)}" for member in members)
-            return f"Cache {alias!r} (a quorum of {where}):"
-        return f"Cache {alias!r} at {describe_redis(alias)}:"
 
     def show_table(
-        self,
-        alias: str,
-        locks: list[HeldLock],
-        lock_filter: LockFilter | None = None,
-        *,
-        total: int | None = None,
+        self, alias: str, locks: list[HeldLock], lock_filter: LockFilter, *, total: int
     ) -> None:
         """Print the locks as a table under the line naming the Redis that was read.
 
         With a filter, ``total`` is how many locks are held in all, matching or not.
         """
+        members = introspection.quorum_members(alias)
         # Which server was read answers "why is my lock not listed?" at once.
-        self.stdout.write(terminal_safe(self.source_line(alias)))
-        # So does an eviction: a held lock evicted is simply not listed.
-        for policy in eviction_policies(alias):
+        self.stdout.write(terminal_safe(source_line(alias, members)))
+        # So does an eviction: a held lock evicted is simply not listed. (Not in
+        # --json, whose top level is an array of entries, with no place for it.)
+        for policy in introspection.eviction_policies(alias):
             evictions = policy.evictions_line()
             if evictions is not None:
                 self.stdout.write(self.style.WARNING(terminal_safe(evictions)))
         chosen = terminal_safe(lock_filter.describe()) if lock_filter else ""
-        if not locks:
-            if chosen and total:
-                self.stdout.write(
-                    f"No held lock in cache {alias!r} matches the filter ({chosen}); "
-                    f"{_plural(total, 'lock')} held."
-                )
-            elif chosen:
-                self.stdout.write(
-                    f"No locks are held in cache {alias!r}, so none matches the filter ({chosen})."
-                )
-            else:
-                self.stdout.write(f"No locks are held in cache {alias!r}.")
-            return
-        rows = table_rows(locks)
-        widths = [max(len(row[i]) for row in [COLUMNS, *rows]) for i in range(len(COLUMNS))]
+        if locks:
+            heading, *lines = _aligned([COLUMNS, *table_rows(locks)])
+            self.stdout.write(self.style.MIGRATE_HEADING(heading))
+            for line in lines:
+                self.stdout.write(line)
+        self.stdout.write(_summary(alias, locks, members, chosen, total))
 
-        def line(cells: tuple[str, ...]) -> str:
-            padded = (cell.ljust(width) for cell, width in zip(cells, widths, strict=True))
-            return "  ".join(padded).rstrip()
-
-        self.stdout.write(self.style.MIGRATE_HEADING(line(COLUMNS)))
-        for row in rows:
-            self.stdout.write(line(row))
-        members = quorum_members(alias)
-        where = f" (on a majority of {', '.join(members)})" if members else ""
-        shared = [lock for lock in locks if lock.shared]
-        if shared:
-            holders = sum(len(lock.holders) for lock in shared)
-            of = "matching " if chosen else ""
-            where += f" ({len(shared)} shared, by {_plural(holders, of + 'holder')})"
-        if chosen:
-            verb = "matches" if len(locks) == 1 else "match"
-            self.stdout.write(
-                f"{len(locks)} of {_plural(total or 0, 'lock')} held in cache {alias!r}{where} "
-                f"{verb} the filter ({chosen})."
-            )
-            return
-        self.stdout.write(f"{_plural(len(locks), 'lock')} held in cache {alias!r}{where}.")
-
-    def ask(self, question: str) -> str:
-        """Return the answer typed to ``question``; fail in one line when nothing can answer.
+    def confirmed(self, what: str, caveat: str = "") -> bool:
+        """Ask whether to force-release ``what``; unless told "yes", say it is cancelled.
 
         From cron, CI or a script, standard input is closed or at its end:
         ``input()`` would raise EOFError, printed as a traceback.
         """
         try:
-            return input(question)
+            answer = input(
+                f"You have requested to force-release {what}.\n"
+                "Their holders keep running without the lock and only learn of it when\n"
+                f"they next renew or finish. {caveat}Are you sure you want to do this?\n\n"
+                "    Type 'yes' to continue, or 'no' to cancel: "
+            )
         except (EOFError, RuntimeError) as exc:  # RuntimeError: no sys.stdin at all
             raise CommandError(
                 "Confirmation needs a terminal, and standard input is closed or at its end; "
                 "pass --noinput to reset without asking."
             ) from exc
+        if answer != "yes":
+            self.stdout.write("Reset cancelled.")
+        return answer == "yes"
 
-    def reset_names(self, alias: str, names: list[str]) -> None:
-        """Force-release each named lock; fail naming those that were not held.
+    def reset_names(self, alias: str, names: list[str], kind: str) -> None:
+        """Reset each named lock (or semaphore); fail naming those not held.
 
-        The rule of ``--reset-semaphore`` too: a name not held is most often a
-        typo or a semaphore's name, so the command exits non-zero for a script
-        to notice, after releasing the others.
+        A name not held is most often a typo or the other kind's name, so the
+        command exits non-zero for a script to notice, after resetting the others.
         """
+        # Refuse a member of a quorum before resetting any name.
+        introspection.ensure_resettable(alias, kind)
         missing = []
         for name in names:
-            if reset(name, using=alias):
-                self.stdout.write(self.style.SUCCESS(f"Released {name!r}."))
+            if kind == "lock":
+                freed = int(introspection.reset(name, using=alias))
+                done = f"Released {name!r}."
+            else:
+                freed = introspection.reset_semaphore(name, using=alias)
+                done = f"Reset semaphore {terminal_safe(name)!r}: freed {_plural(freed, 'permit')}."
+            if freed:
+                self.stdout.write(self.style.SUCCESS(done))
             else:
                 missing.append(name)
         if missing:
-            raise CommandError(self.not_held_locks(alias, missing))
-
-    def not_held_locks(self, alias: str, names: list[str]) -> str:
-        """Say which locks were not held, and which of those names are held semaphores."""
-        shown = ", ".join(repr(terminal_safe(name)) for name in names)
-        message = f"No lock {shown} is held in cache {alias!r}; nothing reset."
-        semaphores = sorted({held.name for held in held_semaphores(alias)} & set(names))
-        if semaphores:
-            as_semaphores = " ".join(repr(terminal_safe(name)) for name in semaphores)
-            message += (
-                " A semaphore of that name has permits held: "
-                f"use --reset-semaphore {as_semaphores}."
-            )
-        return message
+            raise CommandError(_not_held(alias, missing, kind))
 
     def reset_everything(self, alias: str, *, interactive: bool) -> None:
         # Refuse a member of a quorum before asking, not after a "yes".
-        ensure_resettable(alias)
+        introspection.ensure_resettable(alias)
         if interactive:
             # Counting first also reports a wrong alias or a dead Redis before asking.
-            held = len(held_locks(using=alias))
-            confirm = self.ask(
-                f"You have requested to force-release every lock in cache {alias!r} "
-                f"({_plural(held, 'lock')} held now).\n"
-                "Their holders keep running without the lock and only learn of it when\n"
-                "they next renew or finish. Are you sure you want to do this?\n\n"
-                "    Type 'yes' to continue, or 'no' to cancel: "
-            )
-        else:
-            confirm = "yes"
-        if confirm != "yes":
-            self.stdout.write("Reset cancelled.")
-            return
-        count = reset_all(using=alias)
+            held = _plural(len(introspection.held_locks(using=alias)), "lock")
+            if not self.confirmed(f"every lock in cache {alias!r} ({held} held now)"):
+                return
+        count = introspection.reset_all(using=alias)
         released = f"Released {_plural(count, 'lock')} in cache {alias!r}."
         self.stdout.write(self.style.SUCCESS(released))
-        kept = held_semaphores(alias)
+        kept = introspection.held_semaphores(alias)
         if kept:
             self.stdout.write(
                 f"{_plural(len(kept), 'semaphore')} with permits held left alone "
@@ -491,8 +427,8 @@ class Command(BaseCommand):
 
     def reset_selection(self, alias: str, lock_filter: LockFilter, *, interactive: bool) -> None:
         """Reset the locks ``lock_filter`` selects, each only while its listed holder has it."""
-        ensure_resettable(alias)
-        listed = listed_locks(using=alias)
+        introspection.ensure_resettable(alias)
+        listed = introspection.listed_locks(using=alias)
         # A shared lock narrowed to its matching holders: only they are reset.
         selection = _selected(listed, lock_filter)
         # Shown with --noinput too, so a deploy script's log says what it reset.
@@ -500,42 +436,25 @@ class Command(BaseCommand):
         if not selection:
             self.stdout.write("Nothing to reset.")
             return
-        shared_note = (
-            " (of a shared lock, only the holders listed)"
-            if any(item.held.shared for item in selection)
-            else ""
-        )
-        if interactive:
-            confirm = self.ask(
-                f"You have requested to force-release the {_plural(len(selection), 'lock')} "
-                f"listed above{shared_note}.\n"
-                "Their holders keep running without the lock and only learn of it when\n"
-                "they next renew or finish. A lock that changes hands before you answer\n"
-                "is left to its new holder. Are you sure you want to do this?\n\n"
-                "    Type 'yes' to continue, or 'no' to cancel: "
-            )
-            if confirm != "yes":
-                self.stdout.write("Reset cancelled.")
-                return
+        shared = any(item.held.shared for item in selection)
+        note = " (of a shared lock, only the holders listed)" if shared else ""
+        if interactive and not self.confirmed(
+            f"the {_plural(len(selection), 'lock')} listed above{note}",
+            "A lock that changes hands before you answer\nis left to its new holder. ",
+        ):
+            return
         released = 0
         try:
             for item in selection:
-                if reset_listed(item, using=alias):
+                if introspection.reset_listed(item, using=alias):
                     released += 1
-                elif item.held.shared:
-                    self.stdout.write(
-                        self.style.WARNING(
-                            f"{item.held.name!r}: none of the shared holders listed holds it "
-                            "any more; left alone."
-                        )
-                    )
-                else:
-                    self.stdout.write(
-                        self.style.WARNING(
-                            f"{item.held.name!r} was released or changed hands since it was "
-                            "listed; left alone."
-                        )
-                    )
+                    continue
+                gone = (
+                    ": none of the shared holders listed holds it any more"
+                    if item.held.shared
+                    else " was released or changed hands since it was listed"
+                )
+                self.stdout.write(self.style.WARNING(f"{item.held.name!r}{gone}; left alone."))
         finally:
             # Also when Redis fails half-way: say how far the reset got.
             selected = _plural(len(selection), "selected lock")
