@@ -284,6 +284,11 @@ end
 """
 
 
+# How ACQUIRE and ACQUIRE_SHARED start: the granting helpers, and the caller's
+# token and owner record (ARGV[1] and ARGV[3]).
+_GRANTING = _CONSTANTS + _CLOCK + _GRANT + "local token, owner = ARGV[1], ARGV[3]\n"
+
+
 @dataclass(frozen=True)
 class LuaScript:
     """A Lua source, its SHA1 (computed once at import) and its contract.
@@ -352,11 +357,8 @@ ACQUIRE = LuaScript(
     " {1, fence, pttl ms (-1: its ttl), token first in line behind it or ''} when it holds"
     " it; else {0, pttl ms of the holder, holder's owner JSON, '' or the token of a waiter"
     " just handed the expired lock, to WAKE}",
-    source=_CONSTANTS
-    + _CLOCK
-    + _GRANT
+    source=_GRANTING
     + r"""
-local token, owner = ARGV[1], ARGV[3]
 if redis.call('EXISTS', KEYS[1], KEYS[3]) == 0 then
   -- Free and nobody waiting: the common, uncontended case, in one lookup.
   return grant(token, ARGV[2], owner, false)
@@ -406,11 +408,8 @@ ACQUIRE_SHARED = LuaScript(
     argv=(*ACQUIRE.argv, "[limit: how many may hold at once, 0 for a shared lock]"),
     returns="as ACQUIRE's, and a {1, ...} answer may carry a fifth item: the shared waiters"
     " admitted with the caller, space-separated, for it to WAKE",
-    source=_CONSTANTS
-    + _CLOCK
-    + _GRANT
+    source=_GRANTING
     + r"""
-local token, owner = ARGV[1], ARGV[3]
 LIMIT = tonumber(ARGV[5]) or 0
 if redis.call('EXISTS', KEYS[1], KEYS[3]) == 0 then
   return grant_shared(token, ARGV[2], owner)
