@@ -387,24 +387,24 @@ def probe_client(alias: str, *, base: Any = None) -> Iterator[Any]:
     it works for an alias that REQUIRE_NOEVICTION refuses. Its connection is
     closed on leaving: it serves a question asked once, not every lock.
     """
-    made: list[Any] = []
-    try:
-        if base is None:
+    if base is None:
+        _check_backend(alias)
+        # A cluster alias's probe is a cluster client of its own (_copy_with):
+        # the alias's client is not needed, and making one would connect
+        # (to read the slots) without the probe's timeouts.
+        if not get_settings(alias).cluster:
             base = _sync_clients.get(alias)
             if base is None:
                 base = _new_client(alias)
-                if get_settings(alias).cluster:
-                    made.append(base)  # a cluster client of its own, connected to read slots
-        client = _copy_with(
-            alias, base, socket_timeout=PROBE_TIMEOUT, socket_connect_timeout=PROBE_TIMEOUT
-        )
-        if client is not base:
-            made.append(client)
+    client = _copy_with(
+        alias, base, socket_timeout=PROBE_TIMEOUT, socket_connect_timeout=PROBE_TIMEOUT
+    )
+    try:
         yield client
     finally:
-        for own in made:
-            own.close()
-            pool = getattr(own, "connection_pool", None)
+        if client is not base:
+            client.close()
+            pool = getattr(client, "connection_pool", None)
             if pool is not None:
                 pool.disconnect()
 
