@@ -619,6 +619,9 @@ def reset_after_fork() -> None:
     global _lock
     _lock = threading.Lock()
     _forget()
+    # A background eviction check of the parent's is not running in the child:
+    # left marked, its alias would never be checked there.
+    _probing.clear()
 
 
 def clear_clients() -> None:
