@@ -8,6 +8,7 @@ translated into :class:`LockBackendUnavailable` here, once.
 from __future__ import annotations
 
 import asyncio
+import importlib
 import logging
 import threading
 import time
@@ -102,12 +103,14 @@ def server_ms(reply: Any) -> int:
     return int(reply[0]) * 1000 + int(reply[1]) // 1000
 
 
+# Django's own backend first: a subclass is matched against it before django-redis.
+_KINDS = {DJANGO_BUILTIN_BACKEND: "django", DJANGO_REDIS_BACKEND: "django_redis"}
+
+
 def backend_kind(backend: str) -> str | None:
     """Return "django_redis" or "django" for a Redis cache BACKEND (or a subclass), else None."""
-    if backend == DJANGO_REDIS_BACKEND:
-        return "django_redis"
-    if backend == DJANGO_BUILTIN_BACKEND:
-        return "django"
+    if backend in _KINDS:
+        return _KINDS[backend]
     from django.utils.module_loading import import_string
 
     try:
@@ -116,15 +119,13 @@ def backend_kind(backend: str) -> str | None:
         return None
     if not isinstance(backend_class, type):
         return None
-    from django.core.cache.backends.redis import RedisCache as BuiltinRedisCache
-
-    if issubclass(backend_class, BuiltinRedisCache):
-        return "django"
-    try:
-        from django_redis.cache import RedisCache as DjangoRedisCache
-    except ImportError:
-        return None
-    return "django_redis" if issubclass(backend_class, DjangoRedisCache) else None
+    for path, kind in _KINDS.items():
+        try:
+            if issubclass(backend_class, import_string(path)):
+                return kind
+        except ImportError:  # django-redis is not installed
+            return None
+    return None
 
 
 def lock_aliases() -> list[str]:
@@ -168,14 +169,19 @@ def _raw_client(alias: str, kind: str) -> redis.Redis:
     return connection
 
 
-def _cluster_options(alias: str) -> tuple[str, dict[str, Any]]:
-    """Return the first LOCATION and the client options of a CLUSTER alias.
+def _cluster_client(alias: str, *, asynchronous: bool = False, **overrides: Any) -> Any:
+    """Return a redis-py cluster client (``redis.asyncio``'s if ``asynchronous``) on ``alias``.
+
+    django-redis and Django's backend cannot talk to a Redis Cluster; for a
+    lock alias marked CLUSTER the app asks redis-py's own cluster client,
+    which routes each script by its keys' (shared) hash slot.
 
     LOCATION may name several nodes (a list, or URLs separated by commas):
     the first gives the connection options, and every one is a seed the
     client may start from, so a client made while the first is down still
     finds the cluster. Once connected, redis-py keeps every node it has seen
-    as a seed for finding the cluster again after a failover.
+    as a seed for finding the cluster again after a failover. ``overrides``
+    (socket timeouts) replace the alias's OPTIONS.
     """
     entry = cache_entry(alias)
     location = entry.get("LOCATION", "")
@@ -189,16 +195,20 @@ def _cluster_options(alias: str) -> tuple[str, dict[str, Any]]:
         raise ImproperlyConfigured(
             f"CACHES[{alias!r}] has MUTEX CLUSTER set but no LOCATION naming a cluster node."
         )
-    location = locations[0]
     options = {str(k).lower(): v for k, v in (entry.get("OPTIONS") or {}).items()}
     kwargs: dict[str, Any] = {
         name: options[name]
         for name in ("socket_timeout", "socket_connect_timeout", "password", "username")
         if options.get(name) is not None
     }
-    if len(locations) > 1:
-        kwargs["seeds"] = [_host_port(alias, url) for url in locations[1:]]
-    return location, kwargs
+    seeds = [_host_port(alias, url) for url in locations[1:]]
+    # redis-py leaves its cluster classes untyped.
+    cluster: Any = importlib.import_module(f"redis{'.asyncio' if asynchronous else ''}.cluster")
+    return cluster.RedisCluster.from_url(
+        locations[0],
+        startup_nodes=[cluster.ClusterNode(host, port) for host, port in seeds],
+        **{**kwargs, **overrides},
+    )
 
 
 def _host_port(alias: str, url: str) -> tuple[str, int]:
@@ -213,18 +223,6 @@ def _host_port(alias: str, url: str) -> tuple[str, int]:
             f"CACHES[{alias!r}] LOCATION {url!r} does not name a cluster node as redis://host:port."
         )
     return parts.hostname, port
-
-
-def _cluster_client(alias: str, **overrides: Any) -> Any:
-    # django-redis and Django's backend cannot talk to a Redis Cluster; for a
-    # lock alias marked CLUSTER the app asks redis-py's own cluster client,
-    # which routes each script by its keys' (shared) hash slot.
-    from redis.cluster import ClusterNode, RedisCluster
-
-    location, kwargs = _cluster_options(alias)
-    node: Any = ClusterNode  # untyped in redis-py
-    seeds = [node(host, port) for host, port in kwargs.pop("seeds", ())]
-    return RedisCluster.from_url(location, startup_nodes=seeds, **{**kwargs, **overrides})
 
 
 def get_client(alias: str) -> Any:
@@ -251,14 +249,20 @@ def get_client(alias: str) -> Any:
     generation = _generation
     client = _new_client(alias)
     _vet(alias, client)
+    return _keep(_sync_clients, alias, client, generation)
+
+
+def _keep(store: dict[Any, Any], key: Any, value: Any, generation: int) -> Any:
+    """Keep ``value`` in ``store`` unless CACHES changed since ``generation``; return what is kept.
+
+    A client or namespace built while CACHES changed (another thread's
+    override_settings) may point at the old server: it serves the call that
+    built it, and is never kept for the callers after the change.
+    """
     with _lock:
         if generation != _generation:
-            # CACHES changed while this client was built (another thread's
-            # override_settings): it may point at the old server. Use it for
-            # this call only; never keep it for the callers after the change.
-            return client
-        _sync_clients.setdefault(alias, client)
-        return _sync_clients[alias]
+            return value
+        return store.setdefault(key, value)
 
 
 def _new_client(alias: str) -> Any:
@@ -285,25 +289,29 @@ def _vet(alias: str, client: Any) -> None:
                 target=_vet_quietly, args=(alias, client), daemon=True, name="mutex-vet"
             ).start()
             return
-        try:
-            with probe_client(alias, base=client) as probe:
-                verdict = eviction.first_read(alias, probe)
-        except (*UNAVAILABLE, redis_errors.RedisClusterException):
-            _unvetted[alias] = time.monotonic() + VET_RETRY
+        verdict = _read_eviction(alias, client)
+        if verdict is None:
             return
-        _unvetted.pop(alias, None)
     if get_settings(alias).require_noeviction:
         eviction.refuse_if_evicting(verdict)
+
+
+def _read_eviction(alias: str, client: Any) -> eviction.EvictionPolicy | None:
+    """Ask ``alias``'s Redis for its eviction policy; None (to ask again later) if silent."""
+    try:
+        with probe_client(alias, base=client) as probe:
+            verdict = eviction.first_read(alias, probe)
+    except UNAVAILABLE:
+        _unvetted[alias] = time.monotonic() + VET_RETRY
+        return None
+    _unvetted.pop(alias, None)
+    return verdict
 
 
 def _vet_quietly(alias: str, client: Any) -> None:
     """Ask ``alias``'s Redis for its eviction policy off the caller's path; warn if it may evict."""
     try:
-        with probe_client(alias, base=client) as probe:
-            eviction.first_read(alias, probe)
-        _unvetted.pop(alias, None)
-    except (*UNAVAILABLE, redis_errors.RedisClusterException):
-        _unvetted[alias] = time.monotonic() + VET_RETRY
+        _read_eviction(alias, client)
     except Exception:  # a settings change mid-way; never a thread dying with a traceback
         logger.debug("Could not ask %r for its eviction policy.", alias, exc_info=True)
     finally:
@@ -332,15 +340,11 @@ def _derive(alias: str, kind: str, timeout: float | None, **overrides: Any) -> A
     """
     key = (alias, kind, timeout)
     client = _derived_clients.get(key)
-    if client is not None:
-        return client
-    generation = _generation
-    client = _copy_with(alias, get_client(alias), **overrides)
-    with _lock:
-        if generation != _generation:
-            return client  # built from settings that changed meanwhile (see get_client)
-        _derived_clients.setdefault(key, client)
-        return _derived_clients[key]
+    if client is None:
+        generation = _generation
+        client = _copy_with(alias, get_client(alias), **overrides)
+        client = _keep(_derived_clients, key, client, generation)
+    return client
 
 
 def _copy_with(alias: str, base: Any, **overrides: Any) -> Any:
@@ -383,24 +387,24 @@ def probe_client(alias: str, *, base: Any = None) -> Iterator[Any]:
     it works for an alias that REQUIRE_NOEVICTION refuses. Its connection is
     closed on leaving: it serves a question asked once, not every lock.
     """
-    made: list[Any] = []
-    try:
-        if base is None:
+    if base is None:
+        _check_backend(alias)
+        # A cluster alias's probe is a cluster client of its own (_copy_with):
+        # the alias's client is not needed, and making one would connect
+        # (to read the slots) without the probe's timeouts.
+        if not get_settings(alias).cluster:
             base = _sync_clients.get(alias)
             if base is None:
                 base = _new_client(alias)
-                if get_settings(alias).cluster:
-                    made.append(base)  # a cluster client of its own, connected to read slots
-        client = _copy_with(
-            alias, base, socket_timeout=PROBE_TIMEOUT, socket_connect_timeout=PROBE_TIMEOUT
-        )
-        if client is not base:
-            made.append(client)
+    client = _copy_with(
+        alias, base, socket_timeout=PROBE_TIMEOUT, socket_connect_timeout=PROBE_TIMEOUT
+    )
+    try:
         yield client
     finally:
-        for own in made:
-            own.close()
-            pool = getattr(own, "connection_pool", None)
+        if client is not base:
+            client.close()
+            pool = getattr(client, "connection_pool", None)
             if pool is not None:
                 pool.disconnect()
 
@@ -460,6 +464,15 @@ _SHARED_KWARGS = (
 )
 
 
+def _shared_kwargs(pool: Any, *skip: str) -> dict[str, Any]:
+    """Return the settings (but ``skip``) of the sync ``pool`` that an async pool takes as well."""
+    return {
+        k: v
+        for k, v in pool.connection_kwargs.items()
+        if k in _SHARED_KWARGS and k not in skip and v is not None
+    }
+
+
 def _async_pool_for(sync_client: redis.Redis) -> Any:
     """Build a redis.asyncio pool with the same connection settings as ``sync_client``."""
     import redis.asyncio as aioredis
@@ -470,9 +483,7 @@ def _async_pool_for(sync_client: redis.Redis) -> Any:
     pool = sync_client.connection_pool
     if isinstance(pool, SentinelConnectionPool):
         return _async_sentinel_pool(pool)
-    kwargs = {
-        k: v for k, v in pool.connection_kwargs.items() if k in _SHARED_KWARGS and v is not None
-    }
+    kwargs = _shared_kwargs(pool)
     conn_class: Any = async_conn.Connection
     if issubclass(pool.connection_class, sync_conn.UnixDomainSocketConnection):
         conn_class = async_conn.UnixDomainSocketConnection
@@ -494,11 +505,7 @@ def _async_sentinel_pool(pool: Any) -> Any:
         (s.connection_pool.connection_kwargs["host"], s.connection_pool.connection_kwargs["port"])
         for s in manager.sentinels
     ]
-    kwargs = {
-        k: v
-        for k, v in pool.connection_kwargs.items()
-        if k in _SHARED_KWARGS and k not in ("host", "port") and v is not None
-    }
+    kwargs = _shared_kwargs(pool, "host", "port")
     sentinel_module: Any = sentinel  # redis-py leaves these constructors untyped
     async_manager = sentinel_module.Sentinel(
         sentinels, sentinel_kwargs=manager.sentinel_kwargs, **kwargs
@@ -563,28 +570,17 @@ async def get_async_client(
         # The loop keeps only a weak reference to its async generators.
         per_loop["__closer__"] = closer
         _async_clients[loop] = per_loop
-    key = alias
-    if read_timeout is not None or connect_timeout is not None:
-        key = f"{alias}\0read={read_timeout}\0connect={connect_timeout}"
+    timeouts = {"socket_timeout": read_timeout, "socket_connect_timeout": connect_timeout}
+    timeouts = {name: value for name, value in timeouts.items() if value is not None}
+    key = f"{alias}\0read={read_timeout}\0connect={connect_timeout}" if timeouts else alias
     client = per_loop.get(key)
     if client is None:
         if get_settings(alias).cluster:
-            from redis.asyncio.cluster import ClusterNode, RedisCluster
-
-            location, kwargs = _cluster_options(alias)
-            seeds = [ClusterNode(host, port) for host, port in kwargs.pop("seeds", ())]
-            if read_timeout is not None:
-                kwargs["socket_timeout"] = read_timeout
-            if connect_timeout is not None:
-                kwargs["socket_connect_timeout"] = connect_timeout
-            client = RedisCluster.from_url(location, startup_nodes=seeds, **kwargs)
+            client = _cluster_client(alias, asynchronous=True, **timeouts)
         else:
             pool = _async_pool_for(get_client(alias))
-            if not hasattr(pool, "sentinel_manager"):
-                if read_timeout is not None:
-                    pool.connection_kwargs["socket_timeout"] = read_timeout
-                if connect_timeout is not None:
-                    pool.connection_kwargs["socket_connect_timeout"] = connect_timeout
+            if not hasattr(pool, "sentinel_manager"):  # a Sentinel alias keeps its own timeouts
+                pool.connection_kwargs.update(timeouts)
             client = aioredis.Redis(connection_pool=pool)
         per_loop[key] = client
     return client
@@ -610,9 +606,7 @@ def namespace(alias: str) -> str:
                 "the Redis Cluster hash tag of every lock key."
             )
         ns = f"{key_prefix}:{prefix}" if key_prefix else prefix
-        with _lock:
-            if generation == _generation:  # else read across a change of CACHES
-                _namespaces[alias] = ns
+        ns = _keep(_namespaces, alias, ns, generation)
     return ns
 
 
@@ -624,11 +618,10 @@ def reset_after_fork() -> None:
     """
     global _lock
     _lock = threading.Lock()
-    _sync_clients.clear()
-    _derived_clients.clear()
-    _namespaces.clear()
-    _async_clients.clear()
-    _unvetted.clear()
+    _forget()
+    # A background eviction check of the parent's is not running in the child:
+    # left marked, its alias would never be checked there.
+    _probing.clear()
 
 
 def clear_clients() -> None:
@@ -637,12 +630,13 @@ def clear_clients() -> None:
     with _lock:
         _generation += 1
         _close_idle([*_sync_clients.values(), *_derived_clients.values()])
-        _sync_clients.clear()
-        _derived_clients.clear()
-        _namespaces.clear()
-        _async_clients.clear()
-        _unvetted.clear()
+        _forget()
         eviction.forget()
+
+
+def _forget() -> None:
+    for store in (_sync_clients, _derived_clients, _namespaces, _async_clients, _unvetted):
+        store.clear()
 
 
 def _close_idle(clients: list[Any]) -> None:

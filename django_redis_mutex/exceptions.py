@@ -11,17 +11,6 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from .owners import Owner
 
-__all__ = [
-    "LockBackendUnavailable",
-    "LockContended",
-    "LockError",
-    "LockLost",
-    "LockNotOwned",
-    "LockNotReplicated",
-    "LockUpgradeRefused",
-    "StaleFence",
-]
-
 
 class LockError(Exception):
     """Base class of every error this app raises about a lock."""

@@ -393,10 +393,8 @@ class FencedQuerySet(models.QuerySet[_M]):
 
         A multi-table child's other tables are written after the fence
         table's conditional UPDATE, in the same transaction. This queryset
-        may be filtered on the fenced table's own columns only: a filter
-        through a join, a subquery or raw SQL, any filter of a multi-table
-        child, and a sliced, distinct or combined queryset raise ValueError
-        or TypeError before anything is written (see the module docstring).
+        may be filtered on the fenced table's own columns only; the shapes
+        refused before anything is written are listed in the module docstring.
         """
         token, name = _resolve_fence(fence)
         _write(self, pk, token, name, values)

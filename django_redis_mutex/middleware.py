@@ -101,32 +101,22 @@ class MutexMiddleware:
             response = self.unavailable(request, lock=exception.name, retry_after=retry_after)
             # Contention is the lock doing its job, not a server error: log it
             # like a 4xx, so error mail (AdminEmailHandler) is not sent for it.
-            log_response(
-                "Service Unavailable (lock %r is held, retry after %ss): %s",
-                exception.name,
-                retry_after,
-                request.path,
-                response=response,
-                request=request,
-                level="warning",
-            )
-            return response
-        if isinstance(exception, LockBackendUnavailable):
+            message = "Service Unavailable (lock %r is held, retry after %ss): %s"
+            args: tuple[Any, ...] = (exception.name, retry_after, request.path)
+            level = "warning"
+        elif isinstance(exception, LockBackendUnavailable):
             # Redis itself is the problem, not one lock: the body names none,
             # and the error log keeps the cause.
             response = self.unavailable(
                 request, lock=None, retry_after=self.unavailable_retry_after
             )
-            log_response(
-                "Service Unavailable: %s: %s",
-                request.path,
-                exception,
-                response=response,
-                request=request,
-                level="error",
-            )
-            return response
-        return None
+            message = "Service Unavailable: %s: %s"
+            args = (request.path, exception)
+            level = "error"
+        else:
+            return None
+        log_response(message, *args, response=response, request=request, level=level)
+        return response
 
     def unavailable(
         self, request: HttpRequest, *, lock: str | None, retry_after: int

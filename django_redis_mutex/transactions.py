@@ -54,13 +54,6 @@ logger = logging.getLogger("django_redis_mutex")
 _connected = threading.local()
 
 
-def _remember(connection: Any) -> None:
-    known = getattr(_connected, "connections", None)
-    if known is None:
-        known = _connected.connections = weakref.WeakSet()
-    known.add(connection)
-
-
 def open_transactions() -> list[Any]:
     """Return this thread's database connections inside a transaction a lock must wait for.
 
@@ -132,7 +125,10 @@ def watch_connection(sender: Any, connection: Any, **kwargs: Any) -> None:
     connection.execute_wrapper(...)`` block pushes is still the last one,
     which the block's exit pops.
     """
-    _remember(connection)
+    known = getattr(_connected, "connections", None)
+    if known is None:
+        known = _connected.connections = weakref.WeakSet()
+    known.add(connection)
     if _mark_reads not in connection.execute_wrappers:
         connection.execute_wrappers.insert(0, _mark_reads)
 
@@ -203,20 +199,43 @@ class TransactionWait:
             self._register(connection)
 
     def _register(self, connection: Any) -> None:
-        hook = _CommitHook(self, id(connection))
+        key = id(connection)
+        ran = [False]  # shared with the finalizer, which must not refer to the hook
+
+        def hook() -> None:
+            ran[0] = True
+            self._ended(key)
+
         # Only the connection's list of commit callbacks refers to the hook:
         # when Django drops it (rollback, savepoint rollback, close), the
         # finalizer runs at once. It must not keep the connection alive.
         weakref.finalize(
-            hook,
-            _dropped,
-            self,
-            hook.key,
-            hook.ran,
-            weakref.ref(connection),
-            list(connection.savepoint_ids),
+            hook, self._dropped, key, ran, weakref.ref(connection), list(connection.savepoint_ids)
         )
         connection.on_commit(hook)
+
+    def _dropped(
+        self, key: int, ran: list[bool], connection_ref: Any, savepoints: list[Any]
+    ) -> None:
+        """Run when Django let go of a commit hook: after running it, or unrun (a rollback)."""
+        if ran[0]:
+            return
+        connection = connection_ref()  # None: the connection is gone with its thread
+        # Still inside a transaction: either a savepoint we were registered in was
+        # rolled back (it has been popped already, so fewer are open than at
+        # registration) and the outer transaction goes on, or the connection is
+        # being closed (nothing popped), which ends the transaction.
+        if (
+            connection is not None
+            and connection.in_atomic_block
+            and len(connection.savepoint_ids) < len(savepoints)
+        ):
+            try:
+                self._register(connection)
+                return
+            except Exception:
+                logger.exception("Could not wait for the outer transaction; giving the lock back.")
+        self._ended(key)
 
     def _ended(self, key: int) -> None:
         with self._lock:
@@ -228,43 +247,3 @@ class TransactionWait:
             self._give_back()
         except Exception:  # never into Django's commit or rollback
             logger.exception("Could not give back a lock after its transaction ended.")
-
-
-class _CommitHook:
-    """The commit callback of one connection; its finalizer notices a rollback."""
-
-    __slots__ = ("__weakref__", "key", "ran", "wait")
-
-    def __init__(self, wait: TransactionWait, key: int) -> None:
-        self.wait = wait
-        self.key = key
-        # A one-item list, shared with the finalizer, which must not refer to the hook.
-        self.ran = [False]
-
-    def __call__(self) -> None:
-        self.ran[0] = True
-        self.wait._ended(self.key)
-
-
-def _dropped(
-    wait: TransactionWait, key: int, ran: list[bool], connection_ref: Any, savepoints: list[Any]
-) -> None:
-    """Run when Django let go of a commit hook: after running it, or unrun (a rollback)."""
-    if ran[0]:
-        return
-    connection = connection_ref()  # None: the connection is gone with its thread
-    # Still inside a transaction: either a savepoint we were registered in was
-    # rolled back (it has been popped already, so fewer are open than at
-    # registration) and the outer transaction goes on, or the connection is
-    # being closed (nothing popped), which ends the transaction.
-    if (
-        connection is not None
-        and connection.in_atomic_block
-        and len(connection.savepoint_ids) < len(savepoints)
-    ):
-        try:
-            wait._register(connection)
-            return
-        except Exception:
-            logger.exception("Could not wait for the outer transaction; giving the lock back.")
-    wait._ended(key)
