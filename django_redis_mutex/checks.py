@@ -15,7 +15,7 @@ from django.core.checks import CheckMessage, Error, Info, Tags, Warning, registe
 from django.core.exceptions import ImproperlyConfigured
 from redis.exceptions import RedisError
 
-from .client import backend_kind, probe_client
+from .client import UNAVAILABLE, backend_kind, probe_client
 from .conf import get_settings, parse_settings, validate_prefix
 from .eviction import read_policy
 from .telemetry import available as telemetry_available
@@ -121,7 +121,7 @@ def _eviction_messages(alias: str) -> Iterator[CheckMessage]:
         required = get_settings(alias).require_noeviction
         with probe_client(alias) as client:
             verdict = read_policy(client, alias)
-    except (RedisError, OSError, ImproperlyConfigured):
+    except (*UNAVAILABLE, RedisError, ImproperlyConfigured):
         return  # unreachable, or not a client that can be asked: nothing to say
     if required and (verdict.evicts or verdict.unreadable is not None):
         yield Error(

@@ -218,6 +218,17 @@ def test_system_check_says_nothing_about_an_unreachable_server() -> None:
         assert check_lock_eviction() == []
 
 
+def test_system_check_says_nothing_about_an_unreachable_cluster(mutex_prefix: str) -> None:
+    entry = {
+        "BACKEND": "django_redis.cache.RedisCache",
+        "LOCATION": f"redis://127.0.0.1:{free_port()}/0",
+        "KEY_PREFIX": "tests",
+        "MUTEX": {"CLUSTER": True, "PREFIX": mutex_prefix},
+    }
+    with override_settings(CACHES={"default": entry}):
+        assert check_lock_eviction() == []
+
+
 def test_system_check_covers_quorum_members_without_a_mutex_block(mutex_prefix: str) -> None:
     with lock_redis(*policy_args("allkeys-lru")):
         caches = copy.deepcopy(settings.CACHES)
