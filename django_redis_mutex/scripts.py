@@ -135,13 +135,19 @@ end
 -- cannot tell it; 'queued' when someone already waits, so a release looks.
 local function grant(token, ttl, owner, queued)
   local fence, on_clock = next_fence()
-  if on_clock then
+  if on_clock and not queued then
     redis.call('HSET', KEYS[1], 'token', token, 'fence', fence, 'owner', owner)
   else
-    redis.call('HSET', KEYS[1], 'token', token, 'fence', fence, 'owner', owner,
-               'acquired', string.sub(now_text, 1, -4))
+    -- One write, whatever it holds: a hand-over pays for no second HSET.
+    local fields = {'token', token, 'fence', fence, 'owner', owner}
+    if not on_clock then
+      fields[7], fields[8] = 'acquired', string.sub(now_text, 1, -4)
+    end
+    if queued then
+      fields[#fields + 1], fields[#fields + 2] = 'queued', '1'
+    end
+    redis.call('HSET', KEYS[1], unpack(fields))
   end
-  if queued then redis.call('HSET', KEYS[1], 'queued', '1') end
   redis.call('PEXPIRE', KEYS[1], ttl)
   return fence
 end
@@ -242,23 +248,23 @@ end
 -- waking, else the other granted tokens, space-separated, for the caller to
 -- send WAKE; and how many got in.
 local function hand_to(head, expected, live)
-  local granted = {}
+  local granted, after = {}, nil
   if is_shared(head) then
     local room = math.huge
     if LIMIT > 0 then room = LIMIT - live end
-    local next_token = head
-    while next_token and is_shared(next_token) and #granted < room do
-      local ttl, owner = leave_line(next_token)
-      granted[#granted + 1] = {next_token, grant_shared(next_token, ttl, owner)}
-      next_token = first_in_line()
+    after = head
+    while after and is_shared(after) and #granted < room do
+      local ttl, owner = leave_line(after)
+      granted[#granted + 1] = {after, grant_shared(after, ttl, owner)}
+      after = first_in_line()
     end
     if #granted == 0 then return false, 0 end
+    if after then redis.call('HSET', KEYS[1], 'queued', '1') end
   else
     local ttl, owner = leave_line(head)
-    granted[1] = {head, grant(head, ttl, owner, false)}
+    after = first_in_line()
+    granted[1] = {head, grant(head, ttl, owner, after)}
   end
-  local after = first_in_line()
-  if after then redis.call('HSET', KEYS[1], 'queued', '1') end
   local others = {}
   for _, entry in ipairs(granted) do
     if expected and entry[1] == expected[1] then
@@ -286,7 +292,15 @@ end
 
 # How ACQUIRE and ACQUIRE_SHARED start: the granting helpers, and the caller's
 # token and owner record (ARGV[1] and ARGV[3]).
-_GRANTING = _CONSTANTS + _CLOCK + _GRANT + "local token, owner = ARGV[1], ARGV[3]\n"
+_GRANTING = (
+    _CONSTANTS
+    + _CLOCK
+    + _GRANT
+    + "local token, owner = ARGV[1], ARGV[3]\n"
+    # What the script read of the lock hash and still holds true when it joins
+    # the line (token, owner, queued), or nil: _JOIN_LINE then reads again.
+    + "local seen = nil\n"
+)
 
 
 @dataclass(frozen=True)
@@ -337,10 +351,11 @@ if ARGV[4] == '1' then
   redis.call('PEXPIRE', KEYS[4], WAIT_LEASE)
   redis.call('PEXPIRE', KEYS[5], WAIT_LEASE)
   -- The lock is held here (by someone else, or by the waiter just handed it).
-  redis.call('HSET', KEYS[1], 'queued', '1')
+  if not (seen and seen[3]) then redis.call('HSET', KEYS[1], 'queued', '1') end
 end
-return {0, pttl or redis.call('PTTL', KEYS[1]), redis.call('HGET', KEYS[1], 'owner') or '',
-        woken}
+local owner_seen = seen and seen[2]
+if not seen then owner_seen = redis.call('HGET', KEYS[1], 'owner') end
+return {0, pttl or redis.call('PTTL', KEYS[1]), owner_seen or '', woken}
 """
 
 
@@ -367,7 +382,10 @@ local ttl = tonumber(ARGV[2])
 """
     + _QUEUE
     + r"""
-local holder = redis.call('HGET', KEYS[1], 'token')
+-- The holder's token, owner record and queued flag, read once: a refused
+-- caller answers with the owner and joins the line with the flag set.
+seen = redis.call('HMGET', KEYS[1], 'token', 'owner', 'queued')
+local holder = seen[1]
 if holder == token then
   -- Handed to us between two check-ins: our wake-up is no longer needed.
   redis.call('DEL', KEYS[6])
@@ -389,6 +407,7 @@ if not holder and live_readers(now_ms) == 0 then
   -- line: give it the lock now instead of letting it sleep out its timer. Its
   -- wake-up list is not ours to touch: the caller wakes it.
   woken = hand_to(head, nil, 0)
+  seen = nil
 end
 local pttl = nil
 """
