@@ -93,8 +93,12 @@ WAIT_LEASE = 2.0
 # others for this long, not for a whole TTL.
 HANDOFF_LEASE = 2 * WAIT_LEASE
 # How long a fence counter outlives the last acquisition of its name. After it
-# expires the next fence starts from the server clock, which is still larger.
-FENCE_RETENTION = 24 * 3600.0
+# expires the next fence starts from the server clock, which is larger unless
+# the clock stepped back (or, on a quorum, lags the master that gave the last
+# fence) by more than this. An hour covers any clock a working NTP keeps, and
+# bounds what a project locking a million names a day keeps in Redis to the
+# names of the last hour, not of the last day.
+FENCE_RETENTION = 3600.0
 
 _CONSTANTS = (
     f"local WAIT_LEASE = {int(WAIT_LEASE * 1000)}\n"

@@ -894,6 +894,14 @@ def test_fence_keeps_growing_after_its_counter_expired(raw):
         assert lock.fence > first
 
 
+def test_a_free_name_leaves_only_its_fence_counter_and_that_for_an_hour(raw):
+    with mutex("fleeting") as lock:
+        keys = lock.keys
+    left = [key for key in keys.script_keys if raw.exists(key)]
+    assert left == [keys.fence]
+    assert 3_500_000 < raw.pttl(keys.fence) <= 3_600_000
+
+
 def test_clients_forgotten_when_caches_change_leave_no_open_socket_behind():
     # A pool dropped with its sockets open warns (ResourceWarning) whenever it
     # is collected, which the suite turns into a failure of whatever test runs
