@@ -153,6 +153,7 @@ def plan_of(args: argparse.Namespace) -> dict[str, Any]:
             "names": 1000,
             "curve": [10, 1000] if quick else [10, 100, 1000, 10000],
             "seconds": 0.5 if quick else 1.5,
+            "memory_names": 20000,
         },
         "waiters": [1, 10, 100] if quick else [1, 10, 100, 1000],
         "requests": {
@@ -295,7 +296,8 @@ def _scenarios(ctx: Context, index: int) -> dict[str, Callable[[], Any]]:
         cfg = plan["many_locks"]
         log(
             f"Many locks: {cfg['processes']} processes x {cfg['threads']} threads,"
-            f" {cfg['names']} names; curve {cfg['curve']}"
+            f" {cfg['names']} names; curve {cfg['curve']};"
+            f" memory of {cfg['memory_names']:,} fresh names"
         )
         return run_many_locks(
             url,
@@ -307,6 +309,7 @@ def _scenarios(ctx: Context, index: int) -> dict[str, Callable[[], Any]]:
             names=cfg["names"],
             curve=cfg["curve"] if "drm" in ctx.keys else [],
             seconds=cfg["seconds"],
+            memory_names=cfg["memory_names"] if "drm" in ctx.keys else 0,
             log=log,
         )
 

@@ -11,6 +11,14 @@ The comparison runs every library on the same number of names; the cost curve
 runs this app alone from a few names (where most sections wait for another
 thread) to many (where almost none does). A lock whose cost grew with the
 number of live names (a scan, a shared structure) would show a rising curve.
+
+Then, in the benchmark process alone, the memory distinct names leave behind:
+``Mutex`` is acquired and released once on each of 20,000 fresh names, one after
+another, and Redis is asked what stayed: the ``used_memory`` delta (INFO
+memory), the keys of those names still present and their expiry (PTTL), and
+``MEMORY USAGE`` of a sample of them. A name's fence counter outlives its last
+use by ``scripts.FENCE_RETENTION``, so a project that locks a million new names
+a day keeps about a million of them. The keys are deleted afterwards.
 """
 
 from __future__ import annotations
@@ -18,6 +26,7 @@ from __future__ import annotations
 import math
 import random
 import signal
+import statistics
 import threading
 import time
 from collections.abc import Callable
@@ -149,6 +158,115 @@ def _summarise(reports: list[dict[str, Any]], cost: tuple[float, int, int], coun
     }
 
 
+MEMORY_SAMPLE = 1000  # leftover keys whose MEMORY USAGE is read
+
+
+def _used_memory(client: redis.Redis) -> int:
+    return int(client.info("memory")["used_memory"])
+
+
+def _settled_memory(client: redis.Redis, timeout: float = 2.0) -> int:
+    """Return ``used_memory`` once two readings 100 ms apart agree (a table rehash done)."""
+    deadline = time.monotonic() + timeout
+    last = _used_memory(client)
+    while time.monotonic() < deadline:
+        time.sleep(0.1)
+        now = _used_memory(client)
+        if now == last:
+            break
+        last = now
+    return last
+
+
+def _scan(client: redis.Redis, pattern: str) -> list[bytes]:
+    return list(client.scan_iter(match=pattern, count=1000))
+
+
+def measure_name_memory(
+    url: str, base: str, names: int, *, log: Callable[[str], None]
+) -> dict[str, Any]:
+    """Acquire and release ``Mutex`` once on ``names`` fresh names; report what stays in Redis.
+
+    The names are f"{base}:n:{i}"; every key any of them leaves starts with the
+    lock key's prefix up to the number (see django_redis_mutex.keys), and every
+    key of the step contains ``base``: those are deleted at the end.
+    """
+    from django_redis_mutex import Mutex, scripts
+    from django_redis_mutex.keys import glob_escape
+
+    client = redis.Redis.from_url(url)
+    try:
+        # Connect, load the scripts and start the watchdog before the first reading.
+        warm = Mutex(f"{base}:warm-up")
+        if not warm.acquire():
+            raise RuntimeError(f"could not acquire {warm.name!r}")
+        warm.release()
+        first = Mutex(f"{base}:n:0").keys
+        pattern = glob_escape(first.lock[: -len("0}")]) + "*"
+        before_keys = int(client.dbsize())
+        before = _settled_memory(client)
+        started = time.perf_counter()
+        for i in range(names):
+            lock = Mutex(f"{base}:n:{i}")
+            if not lock.acquire():
+                raise RuntimeError(f"could not acquire {lock.name!r}")
+            lock.release()
+        elapsed = time.perf_counter() - started
+        after = _settled_memory(client)
+        added_keys = int(client.dbsize()) - before_keys
+        left = _scan(client, pattern)
+        pipe = client.pipeline(transaction=False)
+        for key in left:
+            pipe.pttl(key)
+        pttls = [int(t) for t in pipe.execute()] if left else []
+        kinds: dict[str, int] = {}
+        for key in left:
+            kind = key.decode().rsplit("}", 1)[1].lstrip(":") or "lock"
+            kinds[kind] = kinds.get(kind, 0) + 1
+        sample = left[:: max(1, len(left) // MEMORY_SAMPLE)][:MEMORY_SAMPLE]
+        pipe = client.pipeline(transaction=False)
+        for key in sample:
+            pipe.memory_usage(key, samples=0)
+        usage = [int(u) for u in pipe.execute() if u is not None] if sample else []
+        with_ttl = [t for t in pttls if t > 0]
+        delta = after - before
+        key_bytes = statistics.median(usage) if usage else math.nan
+        out = {
+            "names": names,
+            "name_example": f"{base}:n:0",
+            "fence_key_example": first.fence,
+            "cycle_us": elapsed / names * 1e6,
+            "used_memory_delta_bytes": delta,
+            "bytes_per_name": delta / names,
+            # MB = 10^6 bytes: per million names it is the same number as bytes per name.
+            "mb_per_million_names": delta / names,
+            "keys_added": added_keys,
+            "keys_left": len(left),
+            "keys_left_per_name": len(left) / names,
+            "keys_left_by_kind": kinds,
+            "key_chars_mean": sum(map(len, left)) / len(left) if left else math.nan,
+            "keys_left_without_ttl": len(left) - len(with_ttl),
+            "memory_usage_sampled": len(usage),
+            "memory_usage_p50_bytes": key_bytes,
+            "memory_usage_mb_per_million_names": key_bytes * len(left) / names,
+            "fence_retention_s": scripts.FENCE_RETENTION,
+            "pttl_max_ms": max(with_ttl, default=math.nan),
+            "pttl_min_ms": min(with_ttl, default=math.nan),
+        }
+    finally:
+        created = _scan(client, "*" + glob_escape(base) + "*")
+        for start in range(0, len(created), 1000):
+            client.unlink(*created[start : start + 1000])
+        client.close()
+    log(
+        f"  many locks: {names:,} fresh names left {out['keys_left']:,} keys"
+        f" ({out['keys_left_without_ttl']} without TTL), {out['bytes_per_name']:.0f} B per name"
+        f" (used_memory), MEMORY USAGE p50 {key_bytes:.0f} B per key;"
+        f" {out['mb_per_million_names']:.0f} MB per million names"
+    )
+    return out
+
+
 def run_many_locks(
     url: str,
     key_prefix: str,
@@ -160,9 +278,14 @@ def run_many_locks(
     names: int,
     curve: list[int],
     seconds: float,
+    memory_names: int = 0,
     log: Callable[[str], None],
 ) -> dict[str, Any]:
-    """Run every library on ``names`` names, then this app on each count of ``curve``."""
+    """Run every library on ``names`` names, then this app on each count of ``curve``.
+
+    With ``memory_names``, then measure the memory that many fresh names leave
+    behind (:func:`measure_name_memory`), once the worker processes have stopped.
+    """
     client = redis.Redis.from_url(url)
     meter = ServerMeter([client])
     plan = [(key, names) for key in contenders]
@@ -204,7 +327,15 @@ def run_many_locks(
     finally:
         pool.stop()
         client.close()
+    if memory_names:
+        base = f"bench-{run_id}:many:names"
+        try:
+            out["memory_per_name"] = measure_name_memory(url, base, memory_names, log=log)
+        except Exception as exc:
+            # The sections above stay recorded; the memory row then says what failed.
+            log(f"  many locks: memory of {memory_names:,} fresh names FAILED: {exc!r}")
+            out["memory_per_name"] = {"names": memory_names, "error": repr(exc)}
     return out
 
 
-__all__ = ["ManyJob", "many_worker", "percentile", "run_many_locks"]
+__all__ = ["ManyJob", "many_worker", "measure_name_memory", "percentile", "run_many_locks"]

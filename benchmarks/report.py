@@ -229,6 +229,16 @@ def evaluate_targets(results: dict[str, Any]) -> list[dict[str, Any]]:
             + "; sections/s: "
             + ", ".join(f"{n}: {e['sections_per_s']:.0f}" for n, e in curve.items()),
         )
+    mem = many.get("memory_per_name")
+    if mem:
+        row(
+            "many-locks-memory",
+            "memory per million distinct lock names (MB, Redis used_memory)",
+            mem.get("mb_per_million_names", math.nan),
+            None,
+            None,
+            name_memory_note(mem),
+        )
     waiting = results.get("many_waiters") or {}
     left = {
         f"{kind} x {count}": entry["keys_left_without_ttl"]
@@ -289,6 +299,43 @@ def evaluate_targets(results: dict[str, Any]) -> list[dict[str, Any]]:
             f" ({dog['evalsha_per_round']:.0f} EVALSHA), {dog['us_per_lock']:.1f} µs per lock",
         )
     return rows
+
+
+def _number(value: Any, spec: str, unit: str = "") -> str:
+    """Format ``value`` with ``spec``, or "n/a" if it is missing or NaN."""
+    if not isinstance(value, (int, float)) or math.isnan(value):
+        return "n/a"
+    return f"{value:{spec}}{unit}"
+
+
+def _hours(value: Any, per_hour: float) -> float:
+    return value / per_hour if isinstance(value, (int, float)) else math.nan
+
+
+def name_memory_note(mem: dict[str, Any]) -> str:
+    """Describe what fresh lock names leave in Redis: keys, bytes, life (missing parts: n/a)."""
+    left = f"{_number(mem.get('keys_left_per_name'), '.2f')} keys left per name"
+    kinds = mem.get("keys_left_by_kind") or {}
+    if kinds:
+        left += " (" + ", ".join(f"{kind}: {count:,}" for kind, count in kinds.items()) + ")"
+    without = mem.get("keys_left_without_ttl")
+    if without == 0:
+        left += ", all with a TTL"
+    elif without is not None:
+        left += f", {_number(without, ',')} without a TTL"
+    if "error" in mem and "bytes_per_name" not in mem:
+        return f"not measured: {mem['error']}"
+    retention = _hours(mem.get("fence_retention_s"), 3600)
+    pttl = _hours(mem.get("pttl_max_ms"), 3.6e6)
+    return (
+        f"{left}; {_number(mem.get('bytes_per_name'), ',.0f', ' B')} per name"
+        f" (used_memory delta over {_number(mem.get('names'), ',')} names),"
+        f" MEMORY USAGE p50 {_number(mem.get('memory_usage_p50_bytes'), ',.0f', ' B')} per key"
+        f" of {_number(mem.get('key_chars_mean'), '.0f')} characters;"
+        f" life {_number(retention, '.0f', ' h')} after the last use"
+        f" (FENCE_RETENTION {_number(mem.get('fence_retention_s'), ',.0f', ' s')},"
+        f" max PTTL seen {_number(pttl, '.2f', ' h')})"
+    )
 
 
 def judge_targets(results: dict[str, Any]) -> list[dict[str, Any]]:
@@ -919,6 +966,16 @@ def _many_locks_section(results: dict[str, Any]) -> list[str]:
                 ["names", *header[1:]],
                 [[f"{int(n):,}", *cells(curve[n])] for n in sorted(curve, key=int)],
             ),
+            "",
+        ]
+    mem = many.get("memory_per_name")
+    if mem:
+        parts += [
+            "Memory per distinct name: about"
+            f" {_number(mem.get('mb_per_million_names'), ',.0f', ' MB')} of Redis memory"
+            " per million names used within a fence counter's life, measured by one acquire"
+            f" + release on each of {_number(mem.get('names'), ',')} fresh names (one process,"
+            f" one after another): {name_memory_note(mem)}.",
             "",
         ]
     return parts
