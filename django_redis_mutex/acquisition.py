@@ -19,7 +19,7 @@ from typing import Any, Literal, Protocol, TypeVar
 
 from redis import exceptions as redis_errors
 
-from . import signals
+from . import lockorder, signals
 from .client import backend_errors
 from .conf import DEFAULT, refuse_timeout_without_blocking, validate_flag, validate_timeout
 from .driver import AsyncDriver, Pop, Sleep, Steps, run_in_child, run_steps
@@ -44,6 +44,9 @@ class AcquiringHandle(Handle, Protocol):
     reentrant: bool
     blocking: bool
     timeout: float | None
+
+    @property
+    def lock_class(self) -> str: ...
 
     def extend(self, ttl: float | None = None) -> None: ...
 
@@ -72,7 +75,7 @@ def acquire(lock: AcquiringHandle, blocking: Any, timeout: Any) -> Hold | None:
     blocking, timeout = wait_params(blocking, timeout, lock.blocking, lock.timeout)
     hold = _nest_candidate(lock)
     if hold is not None and (hold.valid() or lock._run(lock._where.confirm_steps(hold))):
-        lock._levels.nest(hold)
+        lock._levels.nest(hold)  # a reentrant join: no new lock order
         return hold
     attempt = start(lock, blocking, timeout)
     token, started = attempt.token, attempt.started
@@ -96,6 +99,8 @@ def acquire(lock: AcquiringHandle, blocking: Any, timeout: Any) -> Hold | None:
         if _still_granted(lock, hold):
             break
     lock._levels.succeeded()
+    if lockorder.checking:
+        lockorder.taken(hold, lock.kind, lock.lock_class)
     try:
         _announce(lock, hold, started)
         if _short(lock, hold):
@@ -127,6 +132,8 @@ async def aacquire(lock: AcquiringHandle, blocking: Any, timeout: Any) -> Hold |
         if await _astill_granted(lock, hold):
             break
     lock._levels.succeeded()
+    if lockorder.checking:
+        lockorder.taken(hold, lock.kind, lock.lock_class)
     try:
         _announce(lock, hold, started)
         if _short(lock, hold):

@@ -53,6 +53,13 @@ def _placeholders(template: str) -> list[str]:
     return fields
 
 
+def _callable_class(name: Callable[..., str]) -> str:
+    """Return the lock class of the locks a callable names: its qualified name."""
+    qualname = getattr(name, "__qualname__", None) or type(name).__qualname__
+    module = getattr(name, "__module__", None)
+    return f"{module}.{qualname}" if module else qualname
+
+
 def _field_root(field: str) -> str:
     for i, char in enumerate(field):
         if char in ".[":
@@ -178,6 +185,8 @@ class MutexContext:
         else:
             validate_name(name)
             self._name_template = name
+        # The class of every lock this context takes, for lock-order checking.
+        self._lock_class = name if isinstance(name, str) else _callable_class(name)
         # The template's placeholders, parsed at the first decorated call (a
         # name used only in a with block is literal, braces and all).
         self._fields: list[str] | None = None
@@ -211,7 +220,9 @@ class MutexContext:
 
     def _handle(self, name: str) -> Mutex:
         """Return a new handle on ``name`` with this context's options."""
-        return Mutex(name, **self._options)
+        lock = Mutex(name, **self._options)
+        lock._lock_class = self._lock_class
+        return lock
 
     def __enter__(self) -> Mutex:
         lock = self._handle(self._literal_name())

@@ -75,6 +75,9 @@ class Mutex:
     kind: str = "lock"
     _limit_args: tuple[int, ...] = ()
     _kind_signal: dict[str, str] = {}
+    # Set by mutex() and semaphore() to the name template the handle was
+    # built from; None: the name is the class (see lock_class).
+    _lock_class: str | None = None
 
     def __init__(
         self,
@@ -134,6 +137,25 @@ class Mutex:
 
     def _using_shown(self) -> str | list[str]:
         return list(self.aliases) if self.quorum > 1 else self.using
+
+    @property
+    def lock_class(self) -> str:
+        """The class of this lock for lock-order checking: its name template, else its name.
+
+        A handle that :func:`~django_redis_mutex.mutex` builds for
+        ``"product:{pk}"`` is of class ``"product:{pk}"`` whatever the pk; one
+        built from a callable name, of the callable's qualified name. Set it on
+        a handle built directly to group it with others.
+
+        .. versionadded:: 0.3.0
+        """
+        return self._lock_class or self.name
+
+    @lock_class.setter
+    def lock_class(self, value: str) -> None:
+        if not isinstance(value, str) or not value:
+            raise TypeError(f"lock_class must be a non-empty str, not {value!r}.")
+        self._lock_class = value
 
     @property
     def aliases(self) -> tuple[str, ...]:

@@ -114,7 +114,9 @@ class SemaphoreContext(MutexContext):
         return f"<semaphore {self._name!r} limit={self._limit}>"
 
     def _handle(self, name: str) -> Semaphore:
-        return Semaphore(name, self._limit, **self._options)
+        permit = Semaphore(name, self._limit, **self._options)
+        permit._lock_class = self._lock_class
+        return permit
 
 
 def semaphore(
