@@ -145,7 +145,7 @@ class Mutex:
         A handle that :func:`~django_redis_mutex.mutex` builds for
         ``"product:{pk}"`` is of class ``"product:{pk}"`` whatever the pk; one
         built from a callable name, of the callable's qualified name. Set it on
-        a handle built directly to group it with others.
+        a handle built directly to group it with others (see :doc:`lock-order`).
 
         .. versionadded:: 0.3.0
         """
