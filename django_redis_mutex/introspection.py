@@ -297,13 +297,21 @@ class _Masters:
     against the majority.
     """
 
-    def __init__(self, using: str | Sequence[str]) -> None:
+    def __init__(self, using: str | Sequence[str], name: str | None = None) -> None:
         self.label, self.members = _resolve(using)
         self.aliases = self.members or (self.label,)
         self.errors: dict[str, BaseException] = {}
         for alias in self.aliases:  # a misconfigured master fails before any command
-            get_client(alias)
             namespace(alias)
+            try:
+                # A Cluster client connects as it is built: no seed answering
+                # is Redis unavailable, never redis-py's own error.
+                with backend_errors(name, alias):
+                    get_client(alias)
+            except LockBackendUnavailable as exc:
+                if self.members is None:
+                    raise
+                self.errors[alias] = exc
 
     def each(self, run: Callable[[str], _T], name: str | None = None) -> dict[str, _T]:
         """Return ``run(alias)`` of each Redis that answers."""
@@ -634,7 +642,7 @@ def _reset(name: str, using: str | Sequence[str], kind: _Kind, token: str | None
     """
     validate_name(name)
     ensure_resettable(using, kind.noun)
-    masters = _Masters(using)
+    masters = _Masters(using, name)
 
     def run(alias: str) -> int:
         keys = kind.keys(namespace(alias), name)

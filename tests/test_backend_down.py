@@ -34,6 +34,7 @@ from django_redis_mutex import (
     mutex,
     reset,
     reset_all,
+    reset_semaphore,
     semaphore,
 )
 from django_redis_mutex.testing import RedisServer, free_port
@@ -161,6 +162,24 @@ def test_inspection_raises_backend_unavailable(call):
     assert message.startswith("Redis for cache 'default' is unavailable")
     assert "'*'" not in message
     assert ("'inventory'" in message) == (raised.value.name == "inventory")
+
+
+@pytest.mark.parametrize(
+    "call",
+    [
+        lambda: held_locks(),
+        lambda: reset("inventory"),
+        lambda: reset_semaphore("exports"),
+        lambda: reset_all(),
+    ],
+    ids=["held_locks", "reset", "reset_semaphore", "reset_all"],
+)
+def test_inspection_of_an_unreachable_cluster_raises_backend_unavailable(call):
+    # A Cluster client connects as it is built, raising redis-py's
+    # RedisClusterException (not a RedisError) when no seed node answers.
+    with unreachable(CLUSTER=True), pytest.raises(LockBackendUnavailable) as raised:
+        call()
+    assert str(raised.value).startswith("Redis for cache 'default' is unavailable")
 
 
 # -- FAIL_OPEN ---------------------------------------------------------------------------
