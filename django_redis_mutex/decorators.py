@@ -178,6 +178,8 @@ class MutexContext:
     """What :func:`mutex` returns; see there."""
 
     _factory = "mutex()"  # names the factory in error messages
+    # The keyword arguments it passes on to every handle it builds.
+    _accepted: frozenset[str] = LockOptions.__optional_keys__ | {"shared"}
 
     def __init__(self, name: str | Callable[..., str], **options: Any) -> None:
         if callable(name):
@@ -193,6 +195,12 @@ class MutexContext:
         self._name = name
         # Fail at decoration time on arguments that can never work; settings
         # are only read when a lock is actually built.
+        unknown = sorted(set(options) - self._accepted)
+        if unknown:
+            raise TypeError(
+                f"{self._factory} got unexpected keyword argument(s): "
+                f"{', '.join(map(repr, unknown))}."
+            )
         if "label" in options:
             validate_label(options["label"])
         validate_flag("shared", options.get("shared", False))
@@ -428,10 +436,22 @@ def skip_if_locked(
     )
 
 
+_NOT_A_BLOCK = (
+    "skip_if_locked() decorates a function; a with block cannot be skipped. "
+    "Use mutex(name, blocking=False) and catch LockContended."
+)
+
+
 class _SkipWhileHeld(MutexContext):
     """What :func:`skip_if_locked` returns: ``@mutex`` that skips a call instead of waiting on."""
 
     _factory = "skip_if_locked()"
+
+    def __enter__(self) -> Mutex:
+        raise TypeError(_NOT_A_BLOCK)
+
+    async def __aenter__(self) -> Mutex:
+        raise TypeError(_NOT_A_BLOCK)
 
     def __call__(self, func: F) -> F:
         if inspect.isgeneratorfunction(func) or inspect.isasyncgenfunction(func):

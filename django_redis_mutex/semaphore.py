@@ -105,6 +105,7 @@ class SemaphoreContext(MutexContext):
     """What :func:`semaphore` returns; see there."""
 
     _factory = "semaphore()"
+    _accepted = LockOptions.__optional_keys__
 
     def __init__(self, name: str | Callable[..., str], limit: int, **options: Any) -> None:
         self._limit = validate_limit(limit)

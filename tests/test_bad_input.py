@@ -59,6 +59,8 @@ from django_redis_mutex import (
     mutex,
     reset,
     reset_all,
+    semaphore,
+    skip_if_locked,
 )
 from django_redis_mutex.testing import free_port
 
@@ -164,6 +166,25 @@ def test_template_missing_attribute_is_a_value_error_naming_template():
 def test_decorating_a_non_callable_is_a_type_error():
     with pytest.raises(TypeError, match="callable"):
         mutex("x")(42)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(
+    "build",
+    [
+        lambda: mutex("x", tiemout=3),
+        lambda: semaphore("x", 2, tiemout=3),
+        lambda: semaphore("x", 2, shared=True),
+    ],
+    ids=["mutex-typo", "semaphore-typo", "semaphore-shared"],
+)
+def test_an_unknown_keyword_is_refused_when_the_decorator_is_built(build: Any) -> None:
+    with pytest.raises(TypeError, match="unexpected keyword argument"):
+        build()
+
+
+def test_skip_if_locked_is_not_a_with_block() -> None:
+    with pytest.raises(TypeError, match="cannot be skipped"), skip_if_locked("x"):
+        pytest.fail("the body must not run")
 
 
 def test_callable_name_in_with_block_is_a_type_error():
