@@ -87,29 +87,33 @@ class ReceiverGroup:
 
     def __init__(self, uid: str) -> None:
         self.uid = uid
-        self._receivers: list[tuple[Signal, Callable[..., Any]]] = []
+        # (signal, receiver, its dispatch_uid): one uid each, so that two
+        # receivers of one signal in a group never replace each other.
+        self._receivers: list[tuple[Signal, Callable[..., Any], str]] = []
 
     def on(self, signal: Signal) -> Callable[[_Receiver], _Receiver]:
         """Decorate a function to receive ``signal`` while the group is connected."""
 
         def add(receiver: _Receiver) -> _Receiver:
-            self._receivers.append((signal, receiver))
+            uid = f"{self.uid}:{len(self._receivers)}"
+            self._receivers.append((signal, receiver, uid))
             return receiver
 
         return add
 
     def connect(self) -> None:
         """Connect every receiver of the group (again: no effect)."""
-        for signal, receiver in self._receivers:
-            signal.connect(receiver, dispatch_uid=self.uid)
+        for signal, receiver, uid in self._receivers:
+            signal.connect(receiver, dispatch_uid=uid)
 
     def disconnect(self) -> None:
         """Disconnect every receiver of the group (again: no effect)."""
-        for signal, _receiver in self._receivers:
-            signal.disconnect(dispatch_uid=self.uid)
+        for signal, _receiver, uid in self._receivers:
+            signal.disconnect(dispatch_uid=uid)
 
     def connected(self) -> bool:
         """Return True if the group's receivers are connected."""
+        uids = {uid for _signal, _receiver, uid in self._receivers}
         return any(
-            key[0] == self.uid for signal, _ in self._receivers for key, *_rest in signal.receivers
+            key[0] in uids for signal, _, _ in self._receivers for key, *_rest in signal.receivers
         )

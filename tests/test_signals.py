@@ -291,3 +291,26 @@ def test_lock_unavailable_is_not_sent_when_redis_answers(receive: Any) -> None:
     with held_elsewhere("inventory"):
         assert not Mutex("inventory", timeout=0).acquire()
     assert unavailable == []
+
+
+def test_two_receivers_of_one_signal_in_a_group_both_receive() -> None:
+    group = signals.ReceiverGroup("tests.two-receivers")
+    heard: list[str] = []
+
+    @group.on(signals.lock_acquired)
+    def first(sender: Any, **kwargs: Any) -> None:
+        heard.append("first")
+
+    @group.on(signals.lock_acquired)
+    def second(sender: Any, **kwargs: Any) -> None:
+        heard.append("second")
+
+    group.connect()
+    try:
+        assert group.connected()
+        with mutex("two-receivers"):
+            pass
+    finally:
+        group.disconnect()
+    assert sorted(heard) == ["first", "second"]
+    assert not group.connected()

@@ -345,7 +345,9 @@ def our_receivers() -> list[str]:
     return [
         names[id(signal)]
         for signal in LOCK_SIGNALS
-        if any(key[0] == "django_redis_mutex.telemetry" for key, *_ in signal.receivers)
+        if any(
+            str(key[0]).startswith("django_redis_mutex.telemetry") for key, *_ in signal.receivers
+        )
     ]
 
 
