@@ -99,8 +99,6 @@ def acquire(lock: AcquiringHandle, blocking: Any, timeout: Any) -> Hold | None:
         if _still_granted(lock, hold):
             break
     lock._levels.succeeded()
-    if lockorder.checking:
-        lockorder.taken(hold, lock.kind, lock.lock_class)
     try:
         _announce(lock, hold, started)
         if _short(lock, hold):
@@ -132,8 +130,6 @@ async def aacquire(lock: AcquiringHandle, blocking: Any, timeout: Any) -> Hold |
         if await _astill_granted(lock, hold):
             break
     lock._levels.succeeded()
-    if lockorder.checking:
-        lockorder.taken(hold, lock.kind, lock.lock_class)
     try:
         _announce(lock, hold, started)
         if _short(lock, hold):
@@ -249,6 +245,9 @@ def _adopt(lock: AcquiringHandle, token: str, grant: Grant, owner: object = None
 
 
 def _announce(lock: AcquiringHandle, hold: Hold, started: float) -> None:
+    """Tell lock-order checking and ``lock_acquired`` receivers of a new hold."""
+    if lockorder.checking:
+        lockorder.taken(hold, lock.kind, lock.lock_class)
     if signals.lock_acquired.receivers:
         signals.lock_acquired.send(
             sender=lock.using,
