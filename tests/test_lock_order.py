@@ -53,6 +53,21 @@ def shop(pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch) -> pytest.P
     return pytester
 
 
+def assert_a_then_b_inverted(result: pytest.RunResult, first: str, second: str, *then: str) -> None:
+    """Assert test_orders failed: 'a' then 'b' taken by ``first``, the reverse by ``second``."""
+    result.assert_outcomes(failed=1)
+    result.stdout.fnmatch_lines(
+        [
+            "*lock order inversion: 'a' then 'b' at",
+            f"*test_shop.py::test_orders ({first})",
+            "*in a_then_b",
+            "*but 'b' then 'a' at",
+            f"*test_shop.py::test_orders ({second})",
+            *then,
+        ]
+    )
+
+
 def test_two_tests_taking_two_locks_in_opposite_orders_fail_the_run(
     shop: pytest.Pytester,
 ) -> None:
@@ -229,17 +244,7 @@ def test_an_inversion_between_a_thread_and_the_main_thread_is_found(
                 pass
         """
     )
-    result = run(shop, "--lock-order")
-    result.assert_outcomes(failed=1)
-    result.stdout.fnmatch_lines(
-        [
-            "*lock order inversion: 'a' then 'b' at",
-            "*test_shop.py::test_orders (thread worker)",
-            "*in a_then_b",
-            "*but 'b' then 'a' at",
-            "*test_shop.py::test_orders (thread MainThread)",
-        ]
-    )
+    assert_a_then_b_inverted(run(shop, "--lock-order"), "thread worker", "thread MainThread")
 
 
 def test_two_tasks_of_one_loop_are_separate_owners(shop: pytest.Pytester) -> None:
@@ -302,18 +307,7 @@ def test_an_inversion_between_two_tasks_is_found(shop: pytest.Pytester) -> None:
             asyncio.run(main())
         """
     )
-    result = run(shop, "--lock-order")
-    result.assert_outcomes(failed=1)
-    result.stdout.fnmatch_lines(
-        [
-            "*lock order inversion: 'a' then 'b' at",
-            "*test_shop.py::test_orders (task first)",
-            "*in a_then_b",
-            "*but 'b' then 'a' at",
-            "*test_shop.py::test_orders (task second)",
-            "*in b_then_a",
-        ]
-    )
+    assert_a_then_b_inverted(run(shop, "--lock-order"), "task first", "task second", "*in b_then_a")
 
 
 def test_shared_locks_and_semaphore_permits_count_like_locks(shop: pytest.Pytester) -> None:
