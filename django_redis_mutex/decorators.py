@@ -227,10 +227,13 @@ class MutexContext:
         return self._name_template
 
     def _handle(self, name: str) -> Mutex:
-        """Return a new handle on ``name`` with this context's options."""
-        lock = Mutex(name, **self._options)
+        """Return a new handle on ``name`` with this context's options and lock class."""
+        lock = self._new(name)
         lock._lock_class = self._lock_class
         return lock
+
+    def _new(self, name: str) -> Mutex:
+        return Mutex(name, **self._options)
 
     def __enter__(self) -> Mutex:
         lock = self._handle(self._literal_name())

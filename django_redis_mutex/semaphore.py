@@ -114,10 +114,8 @@ class SemaphoreContext(MutexContext):
     def __repr__(self) -> str:
         return f"<semaphore {self._name!r} limit={self._limit}>"
 
-    def _handle(self, name: str) -> Semaphore:
-        permit = Semaphore(name, self._limit, **self._options)
-        permit._lock_class = self._lock_class
-        return permit
+    def _new(self, name: str) -> Semaphore:
+        return Semaphore(name, self._limit, **self._options)
 
 
 def semaphore(
