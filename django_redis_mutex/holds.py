@@ -228,13 +228,19 @@ class Hold:
         """
         return self.quorum > 1
 
-    def confirm(self, alias: str, sent: float, ttl: float) -> None:
-        """Record that ``alias`` set our lease to ``ttl`` by a command sent at ``sent``."""
+    def confirm(self, alias: str, sent: float, ttl: float, *, renew_now: bool = False) -> None:
+        """Record that ``alias`` set our lease to ``ttl`` by a command sent at ``sent``.
+
+        ``renew_now`` says the lease is already out of date (extend() changed
+        it while this renewal was in flight): it is set under the guard, with
+        the lease it marks, so a lease another thread stores meanwhile is
+        neither marked by mistake nor looked up after it was dropped.
+        """
         with self._guard:
             previous = self.leases.get(alias)
             if previous is None or sent >= previous.sent:
                 # The command sent last set the expiry Redis keeps.
-                self.leases[alias] = Lease(sent, ttl)
+                self.leases[alias] = Lease(sent, ttl, renew_now)
             self.refused.discard(alias)
             self.retry_at.pop(alias, None)
             self._recompute()

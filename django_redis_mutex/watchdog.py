@@ -96,7 +96,7 @@ class Renewable(Protocol):
         """True when too many places said it is not ours."""
 
     def next_renewal(self, alias: str) -> float: ...
-    def confirm(self, alias: str, sent: float, ttl: float) -> None: ...
+    def confirm(self, alias: str, sent: float, ttl: float, *, renew_now: bool = False) -> None: ...
     def refuse(self, alias: str) -> None: ...
     def failed(self, alias: str, retry_at: float) -> None: ...
     def valid(self, now: float | None = None) -> bool: ...
@@ -332,10 +332,8 @@ class _Lane:
                 if isinstance(result, Exception):
                     self._renewal_failed(hold, ttl, result)
                 elif result == 1:
-                    hold.confirm(self.alias, sent, ttl)
-                    if hold.ttl != ttl:
-                        # extend() changed the lease meanwhile: renew to it at once.
-                        hold.leases[self.alias].renew_now = True
+                    # extend() may have changed the lease meanwhile: renew to it at once.
+                    hold.confirm(self.alias, sent, ttl, renew_now=hold.ttl != ttl)
                 else:
                     hold.refuse(self.alias)
 

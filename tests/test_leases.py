@@ -24,6 +24,8 @@ from hypothesis import strategies as st
 
 from django_redis_mutex import LockBackendUnavailable, LockLost, Mutex, mutex, signals
 from django_redis_mutex.client import get_client
+from django_redis_mutex.holds import Hold
+from django_redis_mutex.keys import LockKeys
 from django_redis_mutex.testing import RedisServer
 from django_redis_mutex.topology import _EXPIRY_MARGIN, wait_slice
 
@@ -408,3 +410,21 @@ def test_a_waiter_process_paused_through_its_hand_over_lease_asks_redis_before_e
     acquired = waiter.expect("acquired", timeout=30)
     thread.join(30)
     assert acquired["t"] >= third["out"], (acquired["t"] - third["in"], third["out"] - third["in"])
+
+
+def test_a_renewal_answered_after_a_later_extend_leaves_the_later_lease_unmarked() -> None:
+    # The watchdog's renewal to the old 0.6 s lease was sent first; extend()
+    # to 30 s was sent and confirmed before the renewal's answer came. The
+    # answer must neither replace the later lease nor mark it for a renewal
+    # at once: the mark belongs only to a lease the renewal itself set.
+    hold = Hold("default", "h", LockKeys.for_name("tests", "h"), "t", fence=1, ttl=30.0, owner=None)
+    hold.confirm("default", sent=10.0, ttl=30.0)
+    hold.confirm("default", sent=5.0, ttl=0.6, renew_now=True)
+    lease = hold.leases["default"]
+    assert (lease.sent, lease.ttl, lease.renew_now) == (10.0, 30.0, False)
+    assert hold.next_renewal("default") == 10.0 + 30.0 / 3
+    # A renewal that set the lease, to a length extend() changed since, is
+    # due again at once.
+    hold.confirm("default", sent=20.0, ttl=0.6, renew_now=True)
+    assert hold.leases["default"].renew_now
+    assert hold.next_renewal("default") == 0.0
