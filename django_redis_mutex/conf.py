@@ -220,6 +220,26 @@ def validate_aliases(value: object, *, what: str = "using") -> tuple[str, ...]:
     return tuple(value)
 
 
+def resolve_using(using: object) -> tuple[str, tuple[str, ...] | None]:
+    """Return (the alias, None) for one Redis, or (a label, the masters) for a quorum.
+
+    ``using`` is a cache alias (a quorum when its MUTEX block names a
+    QUORUM) or a list of aliases (a quorum when it has two or more; a list of
+    one is that alias). Every public entry point reads it here, so a lock, a
+    listing and a reset agree on where a name lives.
+    """
+    if isinstance(using, (list, tuple)):
+        aliases = validate_aliases(using)
+        if len(aliases) == 1:
+            return aliases[0], None
+        return ", ".join(aliases), aliases
+    if not isinstance(using, str):
+        raise TypeError(
+            f"using must be a cache alias or a list of them, not {type(using).__name__}."
+        )
+    return using, get_settings(using).quorum
+
+
 def _validate_quorum(alias: str, value: object) -> tuple[str, ...] | None:
     if value is None:
         return None

@@ -28,7 +28,7 @@ from typing import Any, NamedTuple, TypeVar
 from redis.exceptions import ResponseError
 
 from .client import UNAVAILABLE, backend_errors, get_client, namespace, probe_client, server_ms
-from .conf import get_settings, validate_aliases
+from .conf import resolve_using
 from .display import duration
 from .driver import run_steps
 from .eviction import EvictionPolicy, read_policy
@@ -37,7 +37,7 @@ from .handoff import release_steps, reset_steps
 from .holds import decode
 from .keys import LockKeys, SharedRecord, lock_pattern, semaphore_pattern, validate_name
 from .owners import Owner, parse_owner
-from .quorum import quorum_of
+from .quorum import quorum_members, quorum_of
 
 __all__ = [
     "HeldLock",
@@ -203,28 +203,6 @@ _SEMAPHORES = _Kind("semaphore", semaphore_pattern, LockKeys.for_semaphore)
 # -- which Redis a ``using`` means ------------------------------------------------
 
 
-def _resolve(using: object) -> tuple[str, tuple[str, ...] | None]:
-    """Return (the one alias, None) for a single Redis, or (a label, the members) for a quorum.
-
-    As :class:`~django_redis_mutex.Mutex` reads it: a list of one alias is that alias.
-    """
-    if isinstance(using, (list, tuple)):
-        aliases = validate_aliases(using)
-        if len(aliases) == 1:
-            return aliases[0], None
-        return ", ".join(aliases), aliases
-    if not isinstance(using, str):
-        raise TypeError(
-            f"using must be a cache alias or a list of them, not {type(using).__name__}."
-        )
-    return using, get_settings(using).quorum
-
-
-def quorum_members(using: str | Sequence[str]) -> tuple[str, ...] | None:
-    """Return the master aliases of ``using`` when it is a quorum, else None (one Redis)."""
-    return _resolve(using)[1]
-
-
 def eviction_policies(using: str | Sequence[str] = "default") -> list[EvictionPolicy]:
     """Return what the Redis of ``using`` (each master of a quorum) says about evicting keys.
 
@@ -232,7 +210,7 @@ def eviction_policies(using: str | Sequence[str] = "default") -> list[EvictionPo
     listings. Read afresh, within a short timeout; a server that cannot be
     reached is left out (the listing itself reports it).
     """
-    label, members = _resolve(using)
+    label, members = resolve_using(using)
     found = []
     for alias in members or (label,):
         try:
@@ -273,7 +251,7 @@ def ensure_resettable(using: str | Sequence[str], noun: str = "lock") -> None:
     cannot be detected: reset those with the same list. ``noun`` ("lock",
     "semaphore") names what the refusal is about.
     """
-    alias, members = _resolve(using)
+    alias, members = resolve_using(using)
     if members is not None:
         return
     quorums = _quorums_with_member(alias)
@@ -298,7 +276,7 @@ class _Masters:
     """
 
     def __init__(self, using: str | Sequence[str], name: str | None = None) -> None:
-        self.label, self.members = _resolve(using)
+        self.label, self.members = resolve_using(using)
         self.aliases = self.members or (self.label,)
         self.errors: dict[str, BaseException] = {}
         for alias in self.aliases:  # a misconfigured master fails before any command

@@ -31,6 +31,7 @@ from .conf import (
     MutexSettings,
     get_settings,
     refuse_timeout_without_blocking,
+    resolve_using,
     validate_flag,
     validate_timeout,
     validate_ttl,
@@ -101,11 +102,9 @@ class Mutex:
         # A list of aliases, or an alias whose MUTEX block names a QUORUM, puts
         # the lock on a quorum of masters; its settings are that alias's, or
         # the first member's.
-        members = quorum_members(using)
-        if isinstance(using, (list, tuple)):
-            using = members[0] if members else using[0] if len(using) == 1 else using
-        if not isinstance(using, str):
-            raise TypeError(f"using must be a cache alias (a string), not {type(using).__name__}.")
+        where, members = resolve_using(using)
+        # A quorum named by a list is set up through its first master's alias.
+        using = members[0] if members and not isinstance(using, str) else where
         self.using = using
         config = get_settings(using)
         self.settings: MutexSettings = config

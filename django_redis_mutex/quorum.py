@@ -43,7 +43,7 @@ from typing import Any, Literal, NamedTuple
 from django.core.exceptions import ImproperlyConfigured
 
 from . import scripts
-from .conf import get_settings, validate_aliases
+from .conf import get_settings, resolve_using
 from .driver import Each, Fanned, Sleep, Steps
 from .exceptions import LockBackendUnavailable
 from .holds import Attempt, Hold, decode, owner_metadata
@@ -73,13 +73,9 @@ def quorum_members(using: object) -> tuple[str, ...] | None:
     """Return the masters of the quorum ``using`` names, or None for one Redis.
 
     A quorum is named by a list of aliases, or by an alias whose MUTEX block
-    has a QUORUM.
+    has a QUORUM (see :func:`~django_redis_mutex.conf.resolve_using`).
     """
-    if isinstance(using, (list, tuple)):
-        return validate_aliases(using) if len(using) > 1 else None
-    if isinstance(using, str):
-        return get_settings(using).quorum
-    return None
+    return resolve_using(using)[1]
 
 
 class Quorum(OneRedis):

@@ -54,6 +54,7 @@ from django_redis_mutex import (
     LockUpgradeRefused,
     Mutex,
     Owner,
+    Semaphore,
     StaleFence,
     held_locks,
     mutex,
@@ -288,6 +289,37 @@ def test_unknown_cache_alias_is_improperly_configured_naming_it():
 def test_non_string_alias_is_a_type_error():
     with pytest.raises(TypeError, match="alias"):
         Mutex("x", using=3)  # type: ignore[arg-type]
+
+
+USING_ENTRY_POINTS = [
+    pytest.param(lambda using: Mutex("x", using=using), id="Mutex"),
+    pytest.param(lambda using: Semaphore("x", 2, using=using), id="Semaphore"),
+    pytest.param(lambda using: held_locks(using=using), id="held_locks"),
+    pytest.param(lambda using: reset("x", using=using), id="reset"),
+]
+
+
+@pytest.mark.parametrize("enter", USING_ENTRY_POINTS)
+@pytest.mark.parametrize(
+    ("using", "error", "message"),
+    [
+        ([], ValueError, "using must name at least one cache alias"),
+        (["default", "default"], ValueError, "names a cache alias twice"),
+        (["default", 3], TypeError, "must contain cache aliases"),
+        (3, TypeError, "using must be a cache alias or a list of them, not int"),
+        (None, TypeError, "using must be a cache alias or a list of them, not NoneType"),
+    ],
+    ids=["empty-list", "alias-twice", "not-an-alias", "int", "none"],
+)
+def test_every_entry_point_reads_using_alike(
+    enter: Callable[[Any], object], using: Any, error: type[Exception], message: str, raw: Any
+) -> None:
+    # A lock, a listing and a reset must agree on where a name lives, so
+    # they refuse the same bad `using` with the same words, touching nothing.
+    before = sorted(raw.keys("*"))
+    with pytest.raises(error, match=re.escape(message)):
+        enter(using)
+    assert sorted(raw.keys("*")) == before
 
 
 def test_non_redis_cache_is_improperly_configured_naming_alias():
