@@ -158,6 +158,13 @@ class Mutex:
         self._lock_class = value
 
     @property
+    def _stats_class(self) -> str | None:
+        """The class this lock's contention figures count under, or None when not counted."""
+        if self.kind == "lock" and self.settings.stats:
+            return self.lock_class
+        return None
+
+    @property
     def aliases(self) -> tuple[str, ...]:
         """The cache aliases of every Redis the lock lives on (one, or a quorum's masters)."""
         return self._where.aliases
@@ -204,7 +211,7 @@ class Mutex:
         (one that ran ``aacquire()`` in a task of its own, say) gets the
         handle's latest.
         """
-        return self._levels.last_failure().error(self.name)
+        return self._levels.last_failure().error(self.name, self.using, self._stats_class)
 
     # -- where the lock lives, and what it asks for ---------------------------
 
