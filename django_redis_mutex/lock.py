@@ -234,7 +234,10 @@ class Mutex:
     def _refused(self, attempt: Attempt, reply: list[Any]) -> None:
         # The holder's owner record stays raw until an error needs it: a
         # waiter is refused on every check-in, and parsing it each time is waste.
-        attempt.refused(int(reply[1]), reply[2] if len(reply) > 2 else None)
+        # ACQUIRE also says how long the holder has had the lock (ms), for
+        # the Retry-After estimate.
+        held = int(reply[4]) if len(reply) > 4 else -1
+        attempt.refused(int(reply[1]), reply[2] if len(reply) > 2 else None, held)
 
     def acquire(self, blocking: bool = DEFAULT, timeout: float | None = DEFAULT) -> bool:
         """Acquire the lock; return True on success, False if it stayed contended.

@@ -116,6 +116,35 @@ def test_retry_after_is_the_lease_left_without_history(stats_on: None) -> None:
         holder.release()
 
 
+def test_retry_after_of_short_holds_is_small(stats_on: None) -> None:
+    for _ in range(20):
+        with Mutex("quick:1", ttl=30):
+            pass
+    holder = Mutex("quick:1", ttl=30)
+    assert holder.acquire()
+    try:
+        contender = Mutex("quick:1")
+        assert not contender.acquire(blocking=False)
+        # The lease says 30 s; twenty holds of a few ms say "try again at once".
+        assert contender.contended().retry_after == 1
+    finally:
+        holder.release()
+
+
+def test_retry_after_is_what_is_left_of_the_usual_hold(stats_on: None) -> None:
+    done = threading.Event()
+    with Mutex("slow:1", ttl=30):
+        done.wait(2.5)  # the history: one hold of 2.5 s
+    holder = Mutex("slow:1", ttl=30)
+    assert holder.acquire()
+    try:
+        contender = Mutex("slow:1")
+        assert not contender.acquire(blocking=False)
+        assert 2 <= contender.contended().retry_after <= 3
+    finally:
+        holder.release()
+
+
 def test_counts_survive_a_flush_to_a_redis_that_is_down(redis_url: str) -> None:
     from urllib.parse import urlsplit
 
