@@ -195,6 +195,8 @@ def _figures(alias: str, lock_class: str) -> _Figures | None:
         figures = _pending[key] = _Figures()
     if alias not in _intervals:
         _intervals[alias] = get_settings(alias).stats_flush_interval
+        # The first write comes one interval after the first count.
+        _last_flush.setdefault(alias, time.monotonic())
         _wake.set()
     if _flusher is None:
         _start_flusher()
