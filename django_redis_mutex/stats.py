@@ -585,18 +585,20 @@ def retry_after(alias: str, lock_class: str | None, pttl_ms: int, held_ms: int) 
     ``held_ms``: how long the holder has had the lock (negative: not known).
     The estimate is the ``RETRY_QUANTILE`` of this class's recent holds that
     lasted longer than the holder's so far, minus the holder's time so far,
-    never more than the lease left and at least 1 s. Without such holds (no
-    figures, or the holder already held it longer than any), the lease left.
+    never more than the lease left and at least 1 s: 1 s when the holder has
+    had the lock longer than any recent hold (by its history it is due), the
+    lease left when no recent hold is known at all.
     """
     lease_left = max(1, math.ceil(pttl_ms / 1000)) if pttl_ms > 0 else 1
     if lock_class is None or held_ms < 0:
         return lease_left
     _history_wanted.add(alias)
+    holds = _recent_holds(alias, lock_class)
+    if not holds:
+        return lease_left
     held = held_ms / 1000
-    longer = {
-        i: n for i, n in _recent_holds(alias, lock_class).items() if bucket_bounds(i)[1] > held
-    }
+    longer = {i: n for i, n in holds.items() if bucket_bounds(i)[1] > held}
     expected = quantile(longer, RETRY_QUANTILE)
     if expected is None:
-        return lease_left
+        return 1
     return max(1, min(lease_left, math.ceil(expected - held)))
