@@ -206,7 +206,7 @@ def _note_contention(lock: AcquiringHandle, attempt: Attempt) -> None:
     lock._levels.failed(contention)
     counted = lock._stats_class
     if counted is not None:
-        stats.contended(lock.using, counted, contention.waited)
+        stats.contended(lock.using, counted)
     if signals.lock_contended.receivers:
         error = contention.error(lock.name, lock.using, counted)
         signals.lock_contended.send(

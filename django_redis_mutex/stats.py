@@ -217,8 +217,8 @@ def acquired(alias: str, lock_class: str, wait: float, waited: bool) -> None:
         figures.waits[index] = figures.waits.get(index, 0) + 1
 
 
-def contended(alias: str, lock_class: str, wait: float) -> None:
-    """Count an acquisition of ``lock_class`` that gave up after ``wait`` seconds."""
+def contended(alias: str, lock_class: str) -> None:
+    """Count an acquisition of ``lock_class`` that gave up (its wait is not a lock's wait)."""
     _count(alias, lock_class, "c")
 
 
