@@ -2,12 +2,17 @@
 
 The benchmark configures one ``default`` cache alias with django-redis on the
 benchmark's Redis and leaves every MUTEX option at its default (TTL 30 s,
-watchdog on): the numbers are what a user gets out of the box. The request
+watchdog on): the numbers are what a user gets out of the box. With
+``BENCH_MUTEX_STATS=1`` in the environment, the alias also counts contention
+(``"STATS": True``), to measure what that costs the cycle; a revision from
+before the setting existed ignores the variable. The request
 scenario's views (``webapp.py``) are the URLconf, behind this app's
 ``MutexMiddleware``.
 """
 
 from __future__ import annotations
+
+import os
 
 # django-redis caps a process's pool at 100 connections by default. Every
 # blocked waiter holds one connection, so the many-waiters scenario (1,000
@@ -26,6 +31,7 @@ def configure_django(redis_url: str, key_prefix: str, quorum_urls: list[str] | N
 
     if settings.configured:
         return
+    mutex = {"STATS": True} if os.environ.get("BENCH_MUTEX_STATS") == "1" else {}
     settings.configure(
         DEBUG=False,
         USE_TZ=True,
@@ -41,6 +47,7 @@ def configure_django(redis_url: str, key_prefix: str, quorum_urls: list[str] | N
                 "LOCATION": redis_url,
                 "KEY_PREFIX": key_prefix,
                 "OPTIONS": POOL_OPTIONS,
+                "MUTEX": mutex,
             },
             **{
                 f"q{index}": {

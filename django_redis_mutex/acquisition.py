@@ -19,7 +19,7 @@ from typing import Any, Literal, Protocol, TypeVar
 
 from redis import exceptions as redis_errors
 
-from . import lockorder, signals
+from . import lockorder, signals, stats
 from .client import backend_errors
 from .conf import DEFAULT, refuse_timeout_without_blocking, validate_flag, validate_timeout
 from .driver import AsyncDriver, Pop, Sleep, Steps, run_in_child, run_steps
@@ -47,6 +47,9 @@ class AcquiringHandle(Handle, Protocol):
 
     @property
     def lock_class(self) -> str: ...
+
+    @property
+    def _stats_class(self) -> str | None: ...
 
     def extend(self, ttl: float | None = None) -> None: ...
 
@@ -100,7 +103,7 @@ def acquire(lock: AcquiringHandle, blocking: Any, timeout: Any) -> Hold | None:
             break
     lock._levels.succeeded()
     try:
-        _announce(lock, hold, started)
+        _announce(lock, hold, attempt)
         if _short(lock, hold):
             lock.extend()
     except BaseException:
@@ -131,7 +134,7 @@ async def aacquire(lock: AcquiringHandle, blocking: Any, timeout: Any) -> Hold |
             break
     lock._levels.succeeded()
     try:
-        _announce(lock, hold, started)
+        _announce(lock, hold, attempt)
         if _short(lock, hold):
             await lock.aextend()
     except BaseException:
@@ -201,8 +204,11 @@ def _note_contention(lock: AcquiringHandle, attempt: Attempt) -> None:
     """Keep a failed attempt's contention as its owner's, for ``Mutex.contended()``."""
     contention = attempt.contention._replace(waited=time.monotonic() - attempt.started)
     lock._levels.failed(contention)
+    counted = lock._stats_class
+    if counted is not None:
+        stats.contended(lock.using, counted)
     if signals.lock_contended.receivers:
-        error = contention.error(lock.name)
+        error = contention.error(lock.name, lock.using, counted)
         signals.lock_contended.send(
             sender=lock.using,
             name=lock.name,
@@ -235,6 +241,7 @@ def _adopt(lock: AcquiringHandle, token: str, grant: Grant, owner: object = None
         raise_on_lost=lock.settings.raise_on_lost,
         successor=grant.successor,
         kind=lock.kind,
+        lock_class=lock._stats_class,
     )
     for alias, (sent, lease) in grant.leases.items():
         hold.confirm(alias, sent, lease)
@@ -244,16 +251,24 @@ def _adopt(lock: AcquiringHandle, token: str, grant: Grant, owner: object = None
     return hold
 
 
-def _announce(lock: AcquiringHandle, hold: Hold, started: float) -> None:
-    """Tell lock-order checking and ``lock_acquired`` receivers of a new hold."""
+def _announce(lock: AcquiringHandle, hold: Hold, attempt: Attempt) -> None:
+    """Tell lock-order checking, the contention figures and ``lock_acquired`` receivers."""
     if lockorder.checking:
         lockorder.taken(hold, lock.kind, lock.lock_class)
+    counted = hold.lock_class
+    if counted is None and not signals.lock_acquired.receivers:
+        return
+    wait = time.monotonic() - attempt.started
+    waited = attempt.was_refused
+    if counted is not None:
+        stats.acquired(lock.using, counted, wait, waited)
     if signals.lock_acquired.receivers:
         signals.lock_acquired.send(
             sender=lock.using,
             name=lock.name,
             fence=hold.fence,
-            wait=time.monotonic() - started,
+            wait=wait,
+            waited=waited,
             shared=lock.shared,
             **lock._kind_signal,
         )

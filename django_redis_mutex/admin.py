@@ -4,8 +4,9 @@ The unmanaged :class:`~django_redis_mutex.models.Lock` model gives the page its
 place in the admin index and its permissions (``view_lock`` to look,
 ``release_lock`` to force-release a lock); the unmanaged
 :class:`~django_redis_mutex.models.Semaphore` model gives the semaphores listed
-on the same page theirs (``reset_semaphore``), with no page of its own. Every
-request is served by :mod:`django_redis_mutex.admin_views`, never by a
+on the same page theirs (``reset_semaphore``), with no page of its own. The
+"Contention" page beside it shows the figures of :mod:`~django_redis_mutex.stats`
+(``view_lock`` too). Every request is served by :mod:`django_redis_mutex.admin_views`, never by a
 database query.
 """
 
@@ -61,6 +62,7 @@ class LockAdmin(admin.ModelAdmin):  # type: ignore[type-arg]
                 wrap(self.reset_semaphore_view),
                 name="{}_{}_reset_semaphore".format(*info),
             ),
+            path("contention/", wrap(self.contention_view), name="{}_{}_contention".format(*info)),
         ]
 
     def changelist_view(
@@ -71,6 +73,10 @@ class LockAdmin(admin.ModelAdmin):  # type: ignore[type-arg]
     def release_view(self, request: HttpRequest) -> HttpResponse:
         """Confirm (GET) and perform (POST) a force-release of the selected locks."""
         return admin_views.release_locks(request, self)
+
+    def contention_view(self, request: HttpRequest) -> HttpResponse:
+        """Show the contention figures of each lock class, with a chart of the hottest."""
+        return admin_views.contention(request, self)
 
     def reset_semaphore_view(self, request: HttpRequest) -> HttpResponse:
         """Confirm (GET) and perform (POST) freeing every permit of the selected semaphores."""

@@ -30,9 +30,11 @@ from django.utils.translation import gettext as _
 from django.utils.translation import gettext_lazy, ngettext, ngettext_lazy
 from redis.exceptions import RedisError
 
-from . import introspection
+from . import introspection, stats
+from .chart import contention_chart
 from .client import lock_aliases
-from .display import duration, terminal_safe
+from .conf import get_settings
+from .display import duration, short_duration, terminal_safe
 from .exceptions import LockBackendUnavailable
 from .filters import FILTER_FIELDS, FilterError, LockFilter
 from .introspection import HeldLock, HeldSemaphore, ListedLock, SemaphoreHolder, SharedHolder
@@ -53,7 +55,14 @@ class LockAdmin(Protocol):
     def has_reset_semaphore_permission(self, request: HttpRequest) -> bool: ...
 
 
-__all__ = ["REFRESH_SECONDS", "lock_aliases", "lock_list", "release_locks", "reset_semaphores"]
+__all__ = [
+    "REFRESH_SECONDS",
+    "contention",
+    "lock_aliases",
+    "lock_list",
+    "release_locks",
+    "reset_semaphores",
+]
 
 # How often the list reloads itself unless paused with ?refresh=0.
 REFRESH_SECONDS = 5
@@ -259,6 +268,7 @@ def lock_list(
         "can_release": model_admin.has_release_permission(request),
         "can_reset_semaphores": model_admin.has_reset_semaphore_permission(request),
         "release_url": _admin_url(model_admin, _LOCKS.url_name),
+        "contention_url": _admin_url(model_admin, "contention"),
         "reset_semaphore_url": _admin_url(model_admin, _SEMAPHORES.url_name),
         "locks": [],
         "semaphores": [],
@@ -604,3 +614,67 @@ def release_locks(request: HttpRequest, model_admin: LockAdmin) -> HttpResponse:
 def reset_semaphores(request: HttpRequest, model_admin: LockAdmin) -> HttpResponse:
     """Confirm (GET) and perform (POST) freeing every permit of the named semaphores."""
     return _confirm_or_free(request, model_admin, _SEMAPHORES)
+
+
+# The minutes the Contention page can cover, as ?minutes= choices.
+CONTENTION_MINUTES = (5, 15, 60)
+
+
+def contention(request: HttpRequest, model_admin: LockAdmin) -> HttpResponse:
+    """Show the contention figures of one cache alias: a chart of the hottest classes, a table."""
+    if not model_admin.has_view_permission(request):
+        raise PermissionDenied
+    page_url = _admin_url(model_admin, "contention")
+    aliases = lock_aliases()
+    minutes_asked = request.GET.get("minutes", "")
+    minutes = int(minutes_asked) if minutes_asked.isdigit() else 60
+    if minutes not in CONTENTION_MINUTES:
+        minutes = 60
+    context: dict[str, Any] = {
+        "title": _("Lock contention"),
+        "changelist_url": _admin_url(model_admin, "changelist"),
+        "minutes": minutes,
+        "classes": [],
+        "chart": None,
+    }
+    try:
+        using = _chosen_alias(request, aliases)
+    except _AliasError as exc:
+        context.update(error=str(exc), using=None)
+        return _render(request, model_admin, "contention.html", context, status=404)
+    context.update(
+        using=using,
+        counted=get_settings(using).stats,
+        alias_links=[(a, _url(page_url, using=a, minutes=minutes)) for a in aliases],
+        minute_links=[(m, _url(page_url, using=using, minutes=m)) for m in CONTENTION_MINUTES],
+    )
+    try:
+        report = stats.read_stats(using, minutes)
+    except _REDIS_FAILURES as exc:
+        context["error"] = _(
+            "Redis of cache “%(alias)s” could not be read, so the contention figures "
+            "cannot be shown right now: %(error)s"
+        ) % {"alias": using, "error": exc}
+        return _render(request, model_admin, "contention.html", context, status=503)
+    context.update(
+        chart=contention_chart(report),
+        classes=[_figures_row(figures) for figures in report.classes],
+    )
+    return _render(request, model_admin, "contention.html", context)
+
+
+def _figures_row(figures: stats.ClassStats) -> dict[str, Any]:
+    return {
+        # Class names may come from request data (a literal name).
+        "lock_class": terminal_safe(figures.lock_class),
+        "acquired": figures.acquired,
+        "waited": figures.waited,
+        "waited_share": f"{figures.waited_share:.0%}",
+        "contended": figures.contended,
+        "wait_p50": short_duration(figures.wait_p50),
+        "wait_p99": short_duration(figures.wait_p99),
+        "hold_p50": short_duration(figures.hold_p50),
+        "hold_p99": short_duration(figures.hold_p99),
+        "lost": figures.lost,
+        "deadlocks": figures.deadlocks,
+    }

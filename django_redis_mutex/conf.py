@@ -87,7 +87,15 @@ DEFAULTS: dict[str, Any] = {
     # Refuse to lock on a Redis that may evict keys (maxmemory with a policy
     # other than noeviction), or whose policy cannot be read (see eviction.py).
     "REQUIRE_NOEVICTION": False,
+    # Contention figures per lock class, counted in memory and written to Redis
+    # from a background thread once per STATS_FLUSH_INTERVAL seconds (see stats.py).
+    "STATS": False,
+    "STATS_FLUSH_INTERVAL": 10,
 }
+
+# The shortest and longest STATS_FLUSH_INTERVAL: more often than twice a second
+# is a Redis round trip per process for nothing; the figures are kept an hour.
+STATS_FLUSH_BOUNDS = (0.5, 600.0)
 
 # A lease longer than a year is a bug in the caller, not a lock.
 MAX_TTL = 365 * 24 * 3600  # seconds (a year)
@@ -115,6 +123,8 @@ class MutexSettings:
     wait_replicas: int = 0
     wait_timeout: float = 1.0
     require_noeviction: bool = False
+    stats: bool = False
+    stats_flush_interval: float = 10.0
 
 
 def _is_number(value: object) -> bool:
@@ -299,6 +309,15 @@ def _validate_require_noeviction(alias: str, merged: dict[str, Any]) -> bool:
     return required
 
 
+def _validate_flush_interval(value: object, *, what: str) -> float:
+    if not _is_number(value):
+        raise TypeError(f"{what} must be a number of seconds, not {type(value).__name__}.")
+    interval = float(value)  # type: ignore[arg-type]
+    if math.isnan(interval):
+        raise ValueError(f"{what} must be a number of seconds, not NaN.")
+    return check_bounds(what, interval, *STATS_FLUSH_BOUNDS, value, " seconds")
+
+
 def parse_settings(alias: str, block: object) -> MutexSettings:
     """Validate one ``MUTEX`` block and merge it over the defaults."""
     if block is None:
@@ -336,6 +355,10 @@ def parse_settings(alias: str, block: object) -> MutexSettings:
         wait_replicas=wait_replicas,
         wait_timeout=wait_timeout,
         require_noeviction=_validate_require_noeviction(alias, merged),
+        stats=_validate_bool(alias, "STATS", merged["STATS"]),
+        stats_flush_interval=_wrap(
+            alias, "STATS_FLUSH_INTERVAL", _validate_flush_interval, merged["STATS_FLUSH_INTERVAL"]
+        ),
     )
 
 

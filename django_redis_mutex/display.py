@@ -13,7 +13,7 @@ import unicodedata
 
 from django.utils.translation import gettext as _
 
-__all__ = ["duration", "terminal_safe"]
+__all__ = ["duration", "short_duration", "terminal_safe"]
 
 # Characters a terminal acts on or reorders text by instead of showing: C0, DEL
 # and C1 controls (Cc), format characters such as the bidi embeddings,
@@ -60,3 +60,18 @@ def duration(seconds: float) -> str:
         return _("%(hours)d h %(minutes)02d min") % {"hours": hours, "minutes": minutes}
     days, hours = divmod(hours, 24)
     return _("%(days)d d %(hours)02d h") % {"days": days, "hours": hours}
+
+
+def short_duration(seconds: float | None) -> str:
+    """Return a wait or hold time of the contention figures ("0.42 ms", "3.4 s"; "-": None).
+
+    Percentiles of lock times run from well under a millisecond to minutes,
+    so three significant digits, in milliseconds below a second.
+    """
+    if seconds is None:
+        return "-"
+    if seconds < 1:
+        return _("%(ms)s ms") % {"ms": f"{seconds * 1000:.3g}"}
+    if seconds < 60:
+        return _("%(seconds)s s") % {"seconds": f"{seconds:.3g}"}
+    return duration(seconds)

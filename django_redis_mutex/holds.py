@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 from functools import cache, lru_cache
 from typing import Any, NamedTuple
 
-from . import scripts
+from . import scripts, stats
 from .exceptions import LockContended
 from .keys import LockKeys
 from .owners import Owner, parse_owner
@@ -111,10 +111,16 @@ class Contention(NamedTuple):
     # waiter is refused on every check-in), an Owner, or None.
     holder: Any = None
     waited: float = 0.0  # seconds
+    held: int = -1  # ms the holder had held the lock (negative: not known)
 
-    def error(self, name: str) -> LockContended:
-        """Return the LockContended telling the caller of lock ``name`` who is in the way."""
-        retry_after = max(1, math.ceil(self.pttl / 1000)) if self.pttl > 0 else 1
+    def error(self, name: str, alias: str = "", lock_class: str | None = None) -> LockContended:
+        """Return the LockContended telling the caller of lock ``name`` who is in the way.
+
+        Its ``retry_after`` is estimated from the recent hold times of
+        ``lock_class`` on ``alias`` when they are counted (see
+        :func:`~django_redis_mutex.stats.retry_after`), else the lease left.
+        """
+        retry_after = stats.retry_after(alias, lock_class, self.pttl, self.held)
         holder = self.holder
         if not isinstance(holder, Owner):
             holder = parse_owner(holder) if holder else None
@@ -143,9 +149,14 @@ class Attempt:
     owner_json: str
     contention: Contention = _NOT_REFUSED
 
-    def refused(self, pttl: int, holder: Any) -> None:
-        """Record that ``holder`` had the lock, with ``pttl`` ms of its lease left."""
-        self.contention = Contention(pttl, holder, time.monotonic() - self.started)
+    def refused(self, pttl: int, holder: Any, held: int = -1) -> None:
+        """Record that ``holder`` had the lock for ``held`` ms, ``pttl`` ms of its lease left."""
+        self.contention = Contention(pttl, holder, time.monotonic() - self.started, held)
+
+    @property
+    def was_refused(self) -> bool:
+        """True once the lock was found held by someone else: the acquisition had to wait."""
+        return self.contention is not _NOT_REFUSED
 
 
 @dataclass(slots=True)
@@ -204,6 +215,9 @@ class Hold:
     transaction_wait: TransactionWait | None = None
     # "lock", or "semaphore" for a semaphore's permit: in log lines and signals.
     kind: str = "lock"
+    # The lock class whose contention figures count this hold (see stats.py),
+    # or None when its alias does not count them.
+    lock_class: str | None = None
     # Guards leases, refused, retry_at and expires_at, which the owner's thread
     # (extend) and the watchdog's (renewals) change at once: a bound computed
     # from leases another thread changed meanwhile is wrong, or raises.

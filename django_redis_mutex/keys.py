@@ -24,6 +24,14 @@ name>}``: its permits are shared holders' records, and its hash also keeps
 ``limit``, the most holders it admits at once. A lock and a semaphore of one
 name are two different things, and the lock patterns never match a semaphore.
 
+Contention figures (see :mod:`django_redis_mutex.stats`) live beside the locks,
+one hash per minute of figures, never matched by the lock or semaphore
+patterns::
+
+    <namespace>:stats:{<window start, epoch s>}
+                         hash: "<figure>|<lock class>" -> count; expires an hour
+                         after its window ends
+
 Every script is given, in KEYS, every key it may touch (the first five in that
 order, then the one wake-up list it may push to or clear): during a Redis
 Cluster slot migration a key the script did not declare could already have
@@ -46,6 +54,7 @@ __all__ = [
     "escape_name",
     "lock_pattern",
     "semaphore_pattern",
+    "stats_key",
     "unescape_name",
     "validate_label",
     "validate_name",
@@ -129,10 +138,23 @@ def semaphore_pattern(namespace: str) -> str:
     return glob_escape(namespace) + ":" + _SEMAPHORES + "{*}"
 
 
+# Where the contention figures live in a namespace, before their hash tag.
+_STATS = "stats:"
+
+
+def stats_key(namespace: str, window: int) -> str:
+    """Return the hash of the contention figures of the window starting at ``window`` (epoch s).
+
+    The window is the key's hash tag: one slot per window on a Cluster, so a
+    flush's writes to one window stay on one node.
+    """
+    return f"{namespace}:{_STATS}{{{window}}}"
+
+
 def app_key_patterns(namespace: str) -> tuple[str, ...]:
     """Return SCAN patterns matching every key this app writes in a namespace, and no other."""
     escaped = glob_escape(namespace)
-    return (escaped + ":{*", escaped + ":" + _SEMAPHORES + "{*")
+    return (escaped + ":{*", escaped + ":" + _SEMAPHORES + "{*", escaped + ":" + _STATS + "{*")
 
 
 @lru_cache(maxsize=4096)

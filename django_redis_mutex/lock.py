@@ -157,6 +157,13 @@ class Mutex:
         self._lock_class = value
 
     @property
+    def _stats_class(self) -> str | None:
+        """The class this lock's contention figures count under, or None when not counted."""
+        if self.kind == "lock" and self.settings.stats:
+            return self.lock_class
+        return None
+
+    @property
     def aliases(self) -> tuple[str, ...]:
         """The cache aliases of every Redis the lock lives on (one, or a quorum's masters)."""
         return self._where.aliases
@@ -203,7 +210,7 @@ class Mutex:
         (one that ran ``aacquire()`` in a task of its own, say) gets the
         handle's latest.
         """
-        return self._levels.last_failure().error(self.name)
+        return self._levels.last_failure().error(self.name, self.using, self._stats_class)
 
     # -- where the lock lives, and what it asks for ---------------------------
 
@@ -226,7 +233,10 @@ class Mutex:
     def _refused(self, attempt: Attempt, reply: list[Any]) -> None:
         # The holder's owner record stays raw until an error needs it: a
         # waiter is refused on every check-in, and parsing it each time is waste.
-        attempt.refused(int(reply[1]), reply[2] if len(reply) > 2 else None)
+        # ACQUIRE also says how long the holder has had the lock (ms), for
+        # the Retry-After estimate.
+        held = int(reply[4]) if len(reply) > 4 else -1
+        attempt.refused(int(reply[1]), reply[2] if len(reply) > 2 else None, held)
 
     def acquire(self, blocking: bool = DEFAULT, timeout: float | None = DEFAULT) -> bool:
         """Acquire the lock; return True on success, False if it stayed contended.

@@ -6,6 +6,10 @@ toolbar is in flight (no receiver is connected otherwise) and keeps, per
 request, what the request's own thread or task did: a context variable set
 around the view scopes the record, so locks taken at the same time by other
 requests, threads or the watchdog never show up in it.
+
+Below them, for each cache alias the request used that counts contention
+(``"STATS": True``), the hottest lock classes of the last minutes, read from
+Redis after this process's figures are flushed (see :mod:`~.stats`).
 """
 
 from __future__ import annotations
@@ -24,9 +28,12 @@ from django.http import HttpRequest, HttpResponse
 from django.template.loader import render_to_string
 from django.utils.translation import gettext_lazy as _
 from django.utils.translation import ngettext
+from redis.exceptions import RedisError
 
-from . import signals
-from .display import terminal_safe
+from . import signals, stats
+from .conf import get_settings
+from .display import short_duration, terminal_safe
+from .exceptions import LockBackendUnavailable
 from .signals import ReceiverGroup
 
 __all__ = ["LocksPanel"]
@@ -43,6 +50,18 @@ _LOCK_COLUMNS = (
     _("Held"),
     _("Detail"),
 )
+_CONTENTION_COLUMNS = (
+    _("Cache"),
+    _("Lock class"),
+    _("Acquired"),
+    _("Waited"),
+    _("Gave up"),
+    _("Wait p99"),
+    _("Hold p50"),
+    _("Hold p99"),
+)
+# How many classes and minutes the contention section shows.
+_HOTTEST, _MINUTES = 5, 15
 
 
 @dataclass
@@ -66,8 +85,10 @@ class _Record:
 
     started: float
     rows: list[_Row] = field(default_factory=list)
+    aliases: set[str] = field(default_factory=set)
 
     def add(self, outcome: str, alias: str, name: str, wait: float, **extra: Any) -> None:
+        self.aliases.add(alias)
         at = (time.monotonic() - wait - self.started) * 1000
         self.rows.append(
             _Row(
@@ -199,7 +220,12 @@ class LocksPanel(Panel):
     @property
     def content(self) -> str:
         stats = self.get_stats()  # type: ignore[no-untyped-call]
-        columns = {"summary_columns": _SUMMARY_COLUMNS, "lock_columns": _LOCK_COLUMNS}
+        columns = {
+            "summary_columns": _SUMMARY_COLUMNS,
+            "lock_columns": _LOCK_COLUMNS,
+            "contention_columns": _CONTENTION_COLUMNS,
+            "contention_minutes": _MINUTES,
+        }
         return render_to_string(self.template, {**stats, **columns})
 
     def enable_instrumentation(self) -> None:
@@ -233,12 +259,43 @@ class LocksPanel(Panel):
 
     def generate_stats(self, request: HttpRequest, response: HttpResponse) -> None:
         rows = self._record.rows if self._record is not None else []
+        aliases = self._record.aliases if self._record is not None else set()
         # Plain values only: the toolbar stores them as JSON for its history.
         self.record_stats(  # type: ignore[no-untyped-call]
             {
                 "locks": [asdict(row) for row in rows],
+                "contention": _hottest(sorted(aliases)),
                 "contended": sum(row.outcome == "contended" for row in rows),
                 "waited": round(sum(row.wait for row in rows), 2),
                 "held": round(sum(row.held or 0.0 for row in rows), 2),
             }
         )
+
+
+def _hottest(aliases: list[str]) -> list[dict[str, Any]]:
+    """Return the rows of the hottest lock classes of each alias that counts contention."""
+    found: list[dict[str, Any]] = []
+    for alias in aliases:
+        try:
+            if not get_settings(alias).stats:
+                continue
+            stats.flush(alias)  # this request's own figures included
+            report = stats.read_stats(alias, _MINUTES)
+        except (LockBackendUnavailable, RedisError) as exc:
+            found.append({"alias": terminal_safe(alias), "error": terminal_safe(str(exc))})
+            continue
+        for figures in report.hottest(_HOTTEST):
+            found.append(
+                {
+                    "alias": terminal_safe(alias),
+                    "lock_class": terminal_safe(figures.lock_class),
+                    "acquired": figures.acquired,
+                    "waited": figures.waited,
+                    "waited_share": f"{figures.waited_share:.0%}",
+                    "contended": figures.contended,
+                    "wait_p99": short_duration(figures.wait_p99),
+                    "hold_p50": short_duration(figures.hold_p50),
+                    "hold_p99": short_duration(figures.hold_p99),
+                }
+            )
+    return found

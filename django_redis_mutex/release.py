@@ -21,7 +21,7 @@ import sys
 import time
 from typing import Protocol
 
-from . import signals
+from . import signals, stats
 from .client import backend_errors
 from .driver import AsyncDriver, run_steps
 from .exceptions import LockBackendUnavailable, LockNotOwned
@@ -176,12 +176,18 @@ def finish(lock: Handle, hold: Hold, released: bool, databases: tuple[str, ...] 
         released = True
     forget(lock, hold, unwatched=True)
     if released:
+        counted = hold.lock_class
+        if counted is None and not signals.lock_released.receivers:
+            return
+        held = time.monotonic() - hold.acquired_at
+        if counted is not None:
+            stats.released(lock.using, counted, held)
         if signals.lock_released.receivers:
             signals.lock_released.send(
                 sender=lock.using,
                 name=lock.name,
                 fence=hold.fence,
-                held=time.monotonic() - hold.acquired_at,
+                held=held,
                 shared=hold.shared,
                 databases=databases,
                 **lock._kind_signal,

@@ -339,7 +339,7 @@ def required(names: tuple[str, ...]) -> int:
 
 # The end of ACQUIRE and ACQUIRE_SHARED for a caller that did not get the lock:
 # join the line (when blocking) and answer {0, pttl ms of the lock, holder
-# owner JSON or '', woken}.
+# owner JSON or '', woken, ms the holder has held it or -1}.
 _JOIN_LINE = r"""
 if ARGV[4] == '1' then
   if redis.call('ZADD', KEYS[3], 'NX', now_text, token) == 1 then
@@ -359,7 +359,14 @@ if ARGV[4] == '1' then
 end
 local owner_seen = seen and seen[2]
 if not seen then owner_seen = redis.call('HGET', KEYS[1], 'owner') end
-return {0, pttl or redis.call('PTTL', KEYS[1]), owner_seen or '', woken}
+-- How long the exclusive holder seen has had the lock, for the caller's
+-- Retry-After estimate: from 'acquired' (ms), else its fence (the clock in µs).
+local held = -1
+if seen and seen[4] then
+  local taken = tonumber(seen[5]) or math.floor(tonumber(seen[4]) / 1000)
+  held = math.max(0, now_ms - taken)
+end
+return {0, pttl or redis.call('PTTL', KEYS[1]), owner_seen or '', woken, held}
 """
 
 
@@ -375,7 +382,7 @@ ACQUIRE = LuaScript(
     returns="the fence when the caller now holds the lock for its ttl and nobody waits;"
     " {1, fence, pttl ms (-1: its ttl), token first in line behind it or ''} when it holds"
     " it; else {0, pttl ms of the holder, holder's owner JSON, '' or the token of a waiter"
-    " just handed the expired lock, to WAKE}",
+    " just handed the expired lock, to WAKE, ms the holder has held it (-1: not known)}",
     source=_GRANTING
     + r"""
 if redis.call('EXISTS', KEYS[1], KEYS[3]) == 0 then
@@ -387,8 +394,9 @@ local ttl = tonumber(ARGV[2])
     + _QUEUE
     + r"""
 -- The holder's token, owner record and queued flag, read once: a refused
--- caller answers with the owner and joins the line with the flag set.
-seen = redis.call('HMGET', KEYS[1], 'token', 'owner', 'queued')
+-- caller answers with the owner (and how long it has held the lock, from its
+-- fence and acquired fields) and joins the line with the flag set.
+seen = redis.call('HMGET', KEYS[1], 'token', 'owner', 'queued', 'fence', 'acquired')
 local holder = seen[1]
 if holder == token then
   -- Handed to us between two check-ins: our wake-up is no longer needed.

@@ -3,7 +3,13 @@
 Each is sent with ``sender`` set to the cache alias and these keyword arguments:
 
 ``lock_acquired``
-    ``name``, ``fence``, ``wait`` (seconds spent waiting), ``shared``.
+    ``name``, ``fence``, ``wait`` (seconds spent waiting), ``shared``,
+    ``waited``: True when the lock was found held by someone else first, so
+    the acquisition had to wait (``wait`` alone cannot tell: an uncontended
+    acquisition takes a round trip too).
+
+    .. versionchanged:: 0.3.0
+       ``waited`` was added.
 ``lock_released``
     ``name``, ``fence``, ``held`` (seconds the lock was held), ``shared``,
     ``databases``: the aliases of the databases whose transaction the lock was

@@ -78,6 +78,11 @@ class _Instruments:
             description="Time a lock was held, from acquisition to release.",
             explicit_bucket_boundaries_advisory=BUCKETS,
         )
+        self.waited = meter.create_counter(
+            "mutex.waited",
+            unit="{acquisition}",
+            description="Acquisitions that found the lock held and waited for it.",
+        )
         self.contended = meter.create_counter(
             "mutex.contended",
             unit="{acquisition}",
@@ -213,8 +218,12 @@ def _receiver(signal: Signal) -> Callable[[Callable[..., None]], Callable[..., N
 
 
 @_receiver(signals.lock_acquired)
-def _on_acquired(report: _Report, fence: int, shared: bool = False, **kwargs: Any) -> None:
+def _on_acquired(
+    report: _Report, fence: int, shared: bool = False, waited: bool = False, **kwargs: Any
+) -> None:
     report.acquisition("acquired", {"mutex.fence": fence, "mutex.shared": shared}, **kwargs)
+    if waited:
+        report.tools.waited.add(1, report.attributes)
 
 
 @_receiver(signals.lock_contended)

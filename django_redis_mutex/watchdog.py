@@ -38,7 +38,7 @@ from typing import Any, Protocol
 from django.core.exceptions import ImproperlyConfigured
 from redis.exceptions import NoScriptError, ResponseError
 
-from . import scripts, signals
+from . import scripts, signals, stats
 from .holds import Lease
 
 __all__ = [
@@ -224,6 +224,9 @@ def announce_lost(item: Renewable, reason: str, *, log: bool = True) -> bool:
     held = time.monotonic() - item.acquired_at
     if log:
         logger.error("%s was lost after %.3fs: %s.", item.describe(), held, reason)
+    counted = getattr(item, "lock_class", None)
+    if counted is not None:
+        stats.lost(item.alias, counted)
     if not signals.lock_lost.receivers:
         return True
     for receiver, error in signals.lock_lost.send_robust(

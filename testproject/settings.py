@@ -64,7 +64,9 @@ CACHES = {
         "LOCATION": REDIS_URL,
         "KEY_PREFIX": "demo",
         "OPTIONS": {"SOCKET_CONNECT_TIMEOUT": 2, "SOCKET_TIMEOUT": 5},
-        "MUTEX": {"TTL": 30, "TIMEOUT": 2},
+        # STATS: the contention figures behind the demo page's chart, the admin's
+        # Contention page and an honest Retry-After (flushed every 5 s here).
+        "MUTEX": {"TTL": 30, "TIMEOUT": 2, "STATS": True, "STATS_FLUSH_INTERVAL": 5},
     },
 }
 

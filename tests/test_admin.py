@@ -789,3 +789,38 @@ def test_reset_in_unknown_alias_is_explained(resetter):
     response = resetter.get(RESET_SEMAPHORE_URL, {"name": "exports", "using": "nope"})
     assert response.status_code == 404
     assert "Cache alias “nope” does not carry locks" in response.context["error"]
+
+
+CONTENTION_URL = LIST_URL + "contention/"
+
+
+def test_contention_page_is_linked_from_the_list_and_shows_each_class(viewer: Client) -> None:
+    from django.test import override_settings
+
+    from django_redis_mutex import stats
+
+    from .helpers import caches_with
+    from .test_stats import contend_in_threads
+
+    listing = viewer.get(LIST_URL)
+    assert f'href="{CONTENTION_URL}?using=default" id="contention-link"' in listing.content.decode()
+    with override_settings(CACHES=caches_with(STATS=True)):
+        contend_in_threads(3)
+        stats.flush()
+        page = viewer.get(CONTENTION_URL, {"minutes": "5"})
+    assert page.status_code == 200
+    content = page.content.decode()
+    assert '<tr data-lock-class="product:{pk}">' in content
+    assert '<polyline class="contention-series" data-lock-class="product:{pk}"' in content
+    assert "<script" not in content.split('id="content-main"')[1]  # the chart is plain SVG
+
+
+def test_contention_page_says_when_the_alias_does_not_count(viewer: Client) -> None:
+    page = viewer.get(CONTENTION_URL)
+    assert page.status_code == 200
+    assert 'id="stats-off"' in page.content.decode()
+    assert 'id="no-figures"' in page.content.decode()
+
+
+def test_contention_page_needs_the_view_permission(django_user_model) -> None:
+    assert _login(django_user_model).get(CONTENTION_URL).status_code == 403

@@ -449,3 +449,35 @@ def test_docs_screenshot_shows_the_page_as_it_is(
         "docs/admin-locks.png is not the picture docs/admin-locks.txt describes. "
         f"Regenerate both with\n{REGENERATE}"
     )
+
+
+def test_contention_page_charts_a_contended_lock_class(
+    playwright_api, live_server, admin_user
+) -> None:
+    from django.test import override_settings
+
+    from django_redis_mutex import stats
+
+    from .helpers import caches_with
+    from .test_stats import contend_in_threads
+
+    expect = playwright_api.expect
+    with override_settings(CACHES=caches_with(STATS=True)):
+        contend_in_threads(1)
+        contend_in_threads(2)
+        stats.flush()
+        with logged_in_page(playwright_api, live_server.url, admin_user) as page:
+            page.click("#contention-link")
+            expect(page.locator("h1")).to_have_text("Lock contention")
+            row = page.locator('#contention_list tr[data-lock-class="product:{pk}"]')
+            expect(row.locator(".field-acquired")).to_have_text("4")
+            expect(row.locator(".field-waited")).to_have_text("2 (50%)")
+            expect(row.locator(".field-contended")).to_have_text("2")
+            series = page.locator('#contention-chart polyline[data-lock-class="product:{pk}"]')
+            expect(series).to_have_count(1)
+            # A real line, drawn with room on the page: not a point, not hidden.
+            box = page.locator("#contention-chart svg").bounding_box()
+            assert box is not None and box["width"] > 300 and box["height"] > 100
+            expect(
+                page.locator('.contention-legend li[data-lock-class="product:{pk}"]')
+            ).to_contain_text("4 contended acquisitions")

@@ -131,9 +131,31 @@ def test_second_tab_gets_503_while_the_inventory_lock_is_held(
     assert accepted.status == 302
     expect(page_b.locator(".msg.success")).to_contain_text("Reserved one")
     page_b.screenshot(path=str(tmp_path / "reserved.png"))
+
+    # Held again: the lock now has a history of one HOLD_SECONDS hold, so a
+    # refused reserve (after its 2 s wait) is told about what is left of it,
+    # not the 28 s left of the watchdog-renewed 30 s lease.
+    page_a.goto(demo.url + "/")
+    page_a.locator("#hold-form button").click()
+    expect(page_a.locator(".msg")).to_contain_text("Holding the inventory lock")
+    page_b.goto(demo.url + "/")
+    refused_again = reserve(page_b)
+    assert refused_again.status == 503
+    assert 3 <= int(refused_again.headers["retry-after"]) <= HOLD_SECONDS
+
+    # The contention chart of the demo page draws the inventory class once flushed.
+    def charted() -> bool:
+        page_a.goto(demo.url + "/")
+        return bool(
+            page_a.locator('#contention-chart polyline[data-lock-class="inventory"]').count()
+        )
+
+    wait_for(charted, 60, "the demo page to chart the inventory lock's contention", 0.5)
+    page_a.screenshot(path=str(tmp_path / "chart.png"))
+    wait_for(released, HOLD_SECONDS + 30, "the second hold to be released", 0.5)
     context.close()
 
-    for name in ("holding.png", "refused.png", "reserved.png"):
+    for name in ("holding.png", "refused.png", "reserved.png", "chart.png"):
         assert_png(tmp_path / name)
     assert_no_traceback(demo.output())
 

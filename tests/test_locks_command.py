@@ -883,3 +883,32 @@ def test_reset_of_a_shared_lock_frees_every_holder() -> None:
         assert locks("--reset", "report").splitlines() == ["Released 'report'."]
         assert [handle.owned() for handle in handles] == [False, False]
         assert held_locks() == []
+
+
+def test_stats_lists_each_lock_class_with_its_figures() -> None:
+    from django.test import override_settings
+
+    from django_redis_mutex import stats
+
+    from .helpers import caches_with
+    from .test_stats import contend_in_threads
+
+    with override_settings(CACHES=caches_with(STATS=True)):
+        contend_in_threads(7)
+        stats.flush()
+        output = locks("--stats", "--minutes", "5")
+    heading, row, summary = output.splitlines()[1:]
+    assert heading.split()[:4] == ["LOCK", "CLASS", "ACQUIRED", "WAITED"]
+    assert row.split()[:5] == ["product:{pk}", "2", "1", "(50%)", "1"]
+    assert summary == "1 lock class in the last 5 minutes."
+
+
+def test_stats_says_when_the_alias_does_not_count() -> None:
+    assert locks("--stats").splitlines()[-1] == (
+        "0 lock classes in the last 60 minutes (STATS is off for cache 'default')."
+    )
+
+
+def test_stats_takes_no_reset_flag() -> None:
+    with pytest.raises(CommandError, match=r"--stats .* no reset flag"):
+        locks("--stats", "--reset", "inventory")

@@ -95,6 +95,25 @@ def test_retry_after_is_at_least_one_second_for_a_lease_about_to_end(client: Cli
     assert response.json()["retry_after"] == 1
 
 
+def test_retry_after_of_a_view_whose_holds_are_short_is_one_second(client: Client) -> None:
+    """With STATS on, the view's own quick holds say "try again at once", not the lease."""
+    from django.test import override_settings
+
+    from .helpers import caches_with
+
+    with override_settings(CACHES=caches_with(STATS=True)):
+        for _ in range(10):
+            assert client.get("/busy/").status_code == 200
+        with held_elsewhere("busy", ttl=30):
+            response = client.get("/busy/")
+        from django_redis_mutex import stats
+
+        stats.flush()
+    assert response.status_code == 503
+    assert response["Retry-After"] == "1"
+    assert response.json()["retry_after"] == 1
+
+
 @pytest.mark.parametrize(
     "accept",
     [

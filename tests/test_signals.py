@@ -62,8 +62,9 @@ def test_lock_acquired_is_sent_with_name_fence_and_wait(receive: Any) -> None:
         fence = lock.fence
     [call] = acquired
     assert call["sender"] == "default"
-    assert set(call["kwargs"]) == {"name", "fence", "wait", "shared"}
+    assert set(call["kwargs"]) == {"name", "fence", "wait", "waited", "shared"}
     assert call["kwargs"]["shared"] is False
+    assert call["kwargs"]["waited"] is False  # the lock was free
     assert call["kwargs"]["name"] == "inventory"
     assert call["kwargs"]["fence"] == fence
     assert 0 <= call["kwargs"]["wait"] < 1
@@ -90,6 +91,7 @@ def test_lock_acquired_wait_counts_the_time_spent_queued(receive: Any) -> None:
     [call] = acquired
     assert call["thread"] is waiter
     assert queued_for - 0.05 <= call["kwargs"]["wait"] <= queued_for + 2
+    assert call["kwargs"]["waited"] is True
 
 
 def test_lock_released_is_sent_with_name_fence_and_time_held(receive: Any) -> None:

@@ -498,3 +498,96 @@ def test_a_lock_kept_for_its_transaction_sends_a_span_naming_the_databases(
     assert span.attributes is not None
     assert span.attributes["mutex.databases"] == ("default",)
     assert span.attributes["mutex.fence"] == fence
+
+
+def test_telemetry_agrees_with_the_contention_figures_everywhere_they_are_shown(
+    django_user_model: Any,
+) -> None:
+    """One contended run: telemetry, ``locks --stats``, the admin page and the panel agree."""
+    import html
+    import io
+    import re
+
+    from django.core.management import call_command
+    from django.test import Client
+
+    from django_redis_mutex import stats
+
+    from .test_stats import contend_in_threads
+
+    recorded = _providers()
+    alias = {"mutex.alias": "default"}
+    with override_settings(CACHES=caches_with(TELEMETRY=True, STATS=True)):
+        before = recorded.totals()
+        contend_in_threads(1)
+        contend_in_threads(2)
+        after = recorded.totals()
+        stats.flush()
+
+        acquired = added(
+            before, after, "mutex.wait.duration", **alias, **{"mutex.outcome": "acquired"}
+        )[0]
+        waited = added(before, after, "mutex.waited", **alias)[0]
+        contended = added(before, after, "mutex.contended", **alias)[0]
+        assert (acquired, waited, contended) == (4, 2, 2)
+
+        out = io.StringIO()
+        call_command("locks", "--stats", "--json", stdout=out)
+        [figures] = [
+            c for c in json.loads(out.getvalue())["classes"] if c["lock_class"] == "product:{pk}"
+        ]
+        assert (figures["acquired"], figures["waited"], figures["contended"]) == (4, 2, 2)
+
+        admin = Client()
+        admin.force_login(django_user_model.objects.create_superuser("root", password=None))
+        page = admin.get("/admin/django_redis_mutex/lock/contention/")
+        assert page.status_code == 200
+        row = re.search(
+            r'<tr data-lock-class="product:\{pk\}">(.*?)</tr>', page.content.decode(), re.S
+        )
+        assert row is not None
+        cells = dict(re.findall(r'class="numeric field-([\w-]+)">(.*?)</td>', row.group(1)))
+        assert (cells["acquired"], html.unescape(cells["waited"]), cells["contended"]) == (
+            "4",
+            "2 (50%)",
+            "2",
+        )
+
+        panel = _contention_in_the_panel()
+        assert panel["product:{pk}"][:3] == ["4", "2 (50%)", "2"]
+
+
+def _contention_in_the_panel() -> dict[str, list[str]]:
+    """Request a locked view with the toolbar on; return its panel's contention rows by class."""
+    import html
+    import re
+
+    from django.test import Client
+
+    with override_settings(
+        INSTALLED_APPS=[*settings.INSTALLED_APPS, "debug_toolbar"],
+        MIDDLEWARE=["debug_toolbar.middleware.DebugToolbarMiddleware", *settings.MIDDLEWARE],
+        ROOT_URLCONF="tests.toolbar_urls",
+        DEBUG_TOOLBAR_PANELS=["django_redis_mutex.panels.LocksPanel"],
+        DEBUG_TOOLBAR_CONFIG={
+            "SHOW_TOOLBAR_CALLBACK": "tests.test_debug_toolbar.show_toolbar",
+            "IS_RUNNING_TESTS": False,
+        },
+    ):
+        client = Client()
+        response = client.get("/locked/elsewhere/")
+        match = re.search(r'data-request-id="([0-9a-f]+)"', response.content.decode())
+        assert match, "the toolbar was not inserted in the page"
+        rendered = client.get(
+            "/__debug__/render_panel/", {"request_id": match.group(1), "panel_id": "LocksPanel"}
+        )
+    content = rendered.json()["content"]
+    [table] = re.findall(r'<table class="djdt-contention">(.*?)</table>', content, re.S)
+    rows = {}
+    for row in re.findall(r'<tr class="djdt-contention-class">(.*?)</tr>', table, re.S):
+        cells = [
+            html.unescape(re.sub(r"<[^>]+>", "", cell)).strip()
+            for cell in re.findall(r"<td>(.*?)</td>", row, re.S)
+        ]
+        rows[cells[1]] = cells[2:]
+    return rows

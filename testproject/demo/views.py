@@ -18,6 +18,8 @@ from django_redis_mutex import (
     held_locks,
     mutex,
 )
+from django_redis_mutex.chart import contention_chart
+from django_redis_mutex.stats import read_stats
 
 from .models import Product
 
@@ -49,15 +51,18 @@ def redis_down_message(exc: LockBackendUnavailable) -> str:
 def inventory(request: HttpRequest) -> HttpResponse:
     try:
         locks = held_locks()
+        # The last quarter of an hour of contention, as the processes flushed it.
+        chart = contention_chart(read_stats(minutes=15))
         redis_error = ""
     except LockBackendUnavailable as exc:
-        locks, redis_error = [], redis_down_message(exc)
+        locks, chart, redis_error = [], None, redis_down_message(exc)
     return render(
         request,
         "demo/inventory.html",
         {
             "products": Product.objects.all(),
             "locks": locks,
+            "chart": chart,
             "redis_error": redis_error,
             "hold_seconds": settings.DEMO_HOLD_SECONDS,
         },

@@ -10,6 +10,9 @@ every field with control and bidi characters escaped (``\\x1b``, ``\\u202e``):
 a name cannot clear the operator's screen, retitle the terminal or reorder
 what is printed after it. ``--json`` keeps the exact values (JSON escapes them).
 
+``--stats`` prints the contention figures of each lock class instead (see
+:mod:`django_redis_mutex.stats`), as a table or, with ``--json``, an object.
+
 A semaphore is reset only by ``--reset-semaphore``, never by ``--reset`` or
 ``--reset-all``, so a lock and a semaphore of the same name are never confused
 and clearing stuck locks never takes permits from their holders. The filters
@@ -26,15 +29,29 @@ from typing import Any
 from django.core.exceptions import ImproperlyConfigured
 from django.core.management.base import BaseCommand, CommandError, CommandParser
 
-from django_redis_mutex import introspection
+from django_redis_mutex import introspection, stats
 from django_redis_mutex.client import get_client
-from django_redis_mutex.display import duration, terminal_safe
+from django_redis_mutex.conf import get_settings
+from django_redis_mutex.display import duration, short_duration, terminal_safe
 from django_redis_mutex.exceptions import LockBackendUnavailable
 from django_redis_mutex.filters import FILTER_FIELDS, FilterError, LockFilter
 from django_redis_mutex.introspection import HeldLock, HeldSemaphore, ListedLock, SharedHolder
 from django_redis_mutex.owners import Owner
 
 COLUMNS = ("NAME", "HOST", "PID", "THREAD", "LABEL", "HELD FOR", "TIME LEFT", "FENCE", "WAITERS")
+# The columns of --stats: one row per lock class.
+STATS_COLUMNS = (
+    "LOCK CLASS",
+    "ACQUIRED",
+    "WAITED",
+    "GAVE UP",
+    "WAIT P50",
+    "WAIT P99",
+    "HOLD P50",
+    "HOLD P99",
+    "LOST",
+    "DEADLOCKS",
+)
 
 # The flag that resets holds of each kind by name.
 RESET_FLAGS = {"lock": "--reset", "semaphore": "--reset-semaphore"}
@@ -113,6 +130,25 @@ def table_rows(locks: list[HeldLock]) -> list[tuple[str, ...]]:
                 )
             )
     return rows
+
+
+def stats_rows(report: stats.StatsReport) -> list[tuple[str, ...]]:
+    """Return the --stats table's rows, in STATS_COLUMNS order, hottest class first."""
+    return [
+        (
+            terminal_safe(figures.lock_class),
+            str(figures.acquired),
+            f"{figures.waited} ({figures.waited_share:.0%})",
+            str(figures.contended),
+            *map(
+                short_duration,
+                (figures.wait_p50, figures.wait_p99, figures.hold_p50, figures.hold_p99),
+            ),
+            str(figures.lost),
+            str(figures.deadlocks),
+        )
+        for figures in report.classes
+    ]
 
 
 def _owner_cells(owner: Owner) -> tuple[str, str, str, str]:
@@ -283,6 +319,24 @@ class Command(BaseCommand):
             metavar="DURATION",
             help="Selects locks held for at least DURATION: seconds (90) or 90s, 10m, 2h, 1h30m.",
         )
+        figures = parser.add_argument_group("contention figures")
+        figures.add_argument(
+            "--stats",
+            action="store_true",
+            help=(
+                "Prints the contention figures of each lock class instead of the held locks: "
+                "acquisitions, how many waited, gave up or were lost, wait and hold times "
+                "(p50, p99). Needs STATS in the alias's MUTEX block; with --json, as an object."
+            ),
+        )
+        figures.add_argument(
+            "--minutes",
+            type=int,
+            choices=range(1, 61),
+            default=60,
+            metavar="{1..60}",
+            help="The last minutes --stats covers (default 60, all that is kept).",
+        )
         parser.add_argument(
             "--noinput",
             "--no-input",
@@ -302,8 +356,14 @@ class Command(BaseCommand):
                 f"{RESET_FLAGS[kind]} takes {kind} names; the filters "
                 f"({', '.join(map(_flag, FILTER_FIELDS))}) go with a listing or --reset-all."
             )
+        if options["stats"] and (names or options["reset_all"] or lock_filter):
+            raise CommandError(
+                "--stats shows the contention figures; it takes no reset flag and no filter."
+            )
         with self.lock_errors(alias):
-            if names:
+            if options["stats"]:
+                self.show_stats(alias, options["minutes"], as_json=options["json"])
+            elif names:
                 self.reset_names(alias, names, kind)
             elif options["reset_all"] and lock_filter:
                 self.reset_selection(alias, lock_filter, interactive=options["interactive"])
@@ -361,6 +421,31 @@ class Command(BaseCommand):
             for line in lines:
                 self.stdout.write(line)
         self.stdout.write(_summary(alias, locks, members, chosen, total))
+
+    def show_stats(self, alias: str, minutes: int, *, as_json: bool) -> None:
+        """Print the contention figures of ``alias`` over its last ``minutes``, hottest first."""
+        report = stats.read_stats(alias, minutes)
+        if as_json:
+            entry = {
+                "alias": alias,
+                "minutes": minutes,
+                "windows": list(report.windows),
+                "classes": [figures.as_dict() for figures in report.classes],
+            }
+            self.stdout.write(json.dumps(entry, indent=2))
+            return
+        self.stdout.write(terminal_safe(source_line(alias, introspection.quorum_members(alias))))
+        if report.classes:
+            heading, *lines = _aligned([STATS_COLUMNS, *stats_rows(report)])
+            self.stdout.write(self.style.MIGRATE_HEADING(heading))
+            for line in lines:
+                self.stdout.write(line)
+        counted = "" if get_settings(alias).stats else f" (STATS is off for cache {alias!r})"
+        classes = len(report.classes)
+        self.stdout.write(
+            f"{classes} lock class{'' if classes == 1 else 'es'} in the last "
+            f"{_plural(minutes, 'minute')}{counted}."
+        )
 
     def confirmed(self, what: str, caveat: str = "") -> bool:
         """Ask whether to force-release ``what``; unless told "yes", say it is cancelled.

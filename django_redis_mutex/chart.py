@@ -1,0 +1,118 @@
+"""The contention chart: the hottest lock classes over time, laid out for an inline SVG.
+
+Drawn on the server from :class:`~django_redis_mutex.stats.StatsReport`, so the
+admin page and the demo need no JavaScript chart library and nothing from a
+CDN. This module only computes coordinates; the template
+``django_redis_mutex/contention_chart.html`` draws them (and escapes the
+class names, which may come from request data).
+
+.. versionadded:: 0.3.0
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from datetime import datetime, timezone
+
+from django.utils import timezone as django_timezone
+from django.utils.translation import gettext as _
+
+from .display import terminal_safe
+from .stats import WINDOW, StatsReport
+
+__all__ = ["Chart", "Series", "contention_chart"]
+
+# Colours that stay apart for most colour-blind readers (Okabe and Ito's).
+PALETTE = ("#0072B2", "#E69F00", "#009E73", "#CC79A7", "#D55E00", "#56B4E9")
+# Room around the plot for the axis labels, in SVG units.
+_LEFT, _RIGHT, _TOP, _BOTTOM = 44, 12, 12, 28
+# Tops of the y axis: 1, 2, 5, 10, 20, 50... far past what a minute can hold.
+_ROUND_STEPS: list[int] = [base * 10**power for power in range(12) for base in (1, 2, 5)]
+
+
+@dataclass(frozen=True)
+class Series:
+    """One lock class's line: its points, its colour, and what it adds up to."""
+
+    lock_class: str
+    color: str
+    points: str  # "x,y x,y ...", for <polyline points>
+    total: int
+    peak: int
+
+
+@dataclass(frozen=True)
+class Chart:
+    """Everything the template draws: size, plot box, axes and one series per hot class."""
+
+    width: int
+    height: int
+    left: int
+    right: int
+    top: int
+    bottom: int
+    series: tuple[Series, ...]
+    y_ticks: tuple[tuple[float, int], ...]  # (y, count)
+    x_ticks: tuple[tuple[float, str], ...]  # (x, "HH:MM")
+    title: str
+
+
+def _clock(window: int) -> str:
+    moment = datetime.fromtimestamp(window, tz=timezone.utc)
+    return django_timezone.localtime(moment).strftime("%H:%M")
+
+
+def contention_chart(
+    report: StatsReport, count: int = 5, width: int = 720, height: int = 260
+) -> Chart:
+    """Return the chart of the ``count`` hottest classes of ``report``.
+
+    Each line is a class's contention per minute: the acquisitions that found
+    the lock held, whether they then waited or gave up.
+    """
+    windows = report.windows
+    hottest = [c for c in report.classes if c.contention][:count]
+    peak = max((max(c.per_window, default=0) for c in hottest), default=0)
+    # A round top for the y axis: 1, 2, 5, 10, 20, 50...
+    top_value = next(v for v in _ROUND_STEPS if v >= peak)
+    right_edge, bottom_edge = width - _RIGHT, height - _BOTTOM
+    plot_width, plot_height = right_edge - _LEFT, bottom_edge - _TOP
+    steps = max(len(windows) - 1, 1)
+
+    def x(position: int) -> float:
+        return round(_LEFT + plot_width * position / steps, 1)
+
+    def y(value: int) -> float:
+        return round(bottom_edge - plot_height * value / top_value, 1)
+
+    series = tuple(
+        Series(
+            lock_class=terminal_safe(figures.lock_class),
+            color=PALETTE[index % len(PALETTE)],
+            points=" ".join(f"{x(i)},{y(v)}" for i, v in enumerate(figures.per_window)),
+            total=figures.contention,
+            peak=max(figures.per_window, default=0),
+        )
+        for index, figures in enumerate(hottest)
+    )
+    y_ticks = tuple((y(v), v) for v in sorted({0, top_value // 2, top_value}))
+    # About six time labels, on whole windows.
+    every = max(1, len(windows) // 6)
+    x_ticks = tuple((x(i), _clock(w)) for i, w in enumerate(windows) if i % every == 0)
+    minutes = len(windows) * WINDOW // 60
+    return Chart(
+        width=width,
+        height=height,
+        left=_LEFT,
+        right=right_edge,
+        top=_TOP,
+        bottom=bottom_edge,
+        series=series,
+        y_ticks=y_ticks,
+        x_ticks=x_ticks,
+        title=_(
+            "Acquisitions that found the lock held, per minute: the hottest lock "
+            "classes of the last %(minutes)d minutes"
+        )
+        % {"minutes": minutes},
+    )
