@@ -49,7 +49,7 @@ class AcquiringHandle(Handle, Protocol):
     def lock_class(self) -> str: ...
 
     @property
-    def _stats_class(self) -> str | None: ...
+    def _stats_class(self) -> tuple[str, str] | None: ...
 
     def extend(self, ttl: float | None = None) -> None: ...
 
@@ -241,7 +241,7 @@ def _adopt(lock: AcquiringHandle, token: str, grant: Grant, owner: object = None
         raise_on_lost=lock.settings.raise_on_lost,
         successor=grant.successor,
         kind=lock.kind,
-        lock_class=lock._stats_class,
+        counted_as=lock._stats_class,
     )
     for alias, (sent, lease) in grant.leases.items():
         hold.confirm(alias, sent, lease)
@@ -255,7 +255,7 @@ def _announce(lock: AcquiringHandle, hold: Hold, attempt: Attempt) -> None:
     """Tell lock-order checking, the contention figures and ``lock_acquired`` receivers."""
     if lockorder.checking:
         lockorder.taken(hold, lock.kind, lock.lock_class)
-    counted = hold.lock_class
+    counted = hold.counted_as
     if counted is None and not signals.lock_acquired.receivers:
         return
     wait = time.monotonic() - attempt.started

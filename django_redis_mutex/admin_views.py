@@ -666,7 +666,7 @@ def contention(request: HttpRequest, model_admin: LockAdmin) -> HttpResponse:
 def _figures_row(figures: stats.ClassStats) -> dict[str, Any]:
     return {
         # Class names may come from request data (a literal name).
-        "lock_class": terminal_safe(figures.lock_class),
+        "lock_class": terminal_safe(figures.label),
         "acquired": figures.acquired,
         "waited": figures.waited,
         "waited_share": f"{figures.waited_share:.0%}",

@@ -87,7 +87,7 @@ def contention_chart(
 
     series = tuple(
         Series(
-            lock_class=terminal_safe(figures.lock_class),
+            lock_class=terminal_safe(figures.label),
             color=PALETTE[index % len(PALETTE)],
             points=" ".join(f"{x(i)},{y(v)}" for i, v in enumerate(figures.per_window)),
             total=figures.contention,

@@ -113,7 +113,9 @@ class Contention(NamedTuple):
     waited: float = 0.0  # seconds
     held: int = -1  # ms the holder had held the lock (negative: not known)
 
-    def error(self, name: str, alias: str = "", lock_class: str | None = None) -> LockContended:
+    def error(
+        self, name: str, alias: str = "", lock_class: tuple[str, str] | None = None
+    ) -> LockContended:
         """Return the LockContended telling the caller of lock ``name`` who is in the way.
 
         Its ``retry_after`` is estimated from the recent hold times of
@@ -215,9 +217,9 @@ class Hold:
     transaction_wait: TransactionWait | None = None
     # "lock", or "semaphore" for a semaphore's permit: in log lines and signals.
     kind: str = "lock"
-    # The lock class whose contention figures count this hold (see stats.py),
-    # or None when its alias does not count them.
-    lock_class: str | None = None
+    # What the contention figures count this hold under (its kind and lock
+    # class, see stats.py), or None when its alias does not count them.
+    counted_as: tuple[str, str] | None = None
     # Guards leases, refused, retry_at and expires_at, which the owner's thread
     # (extend) and the watchdog's (renewals) change at once: a bound computed
     # from leases another thread changed meanwhile is wrong, or raises.

@@ -157,10 +157,10 @@ class Mutex:
         self._lock_class = value
 
     @property
-    def _stats_class(self) -> str | None:
-        """The class this lock's contention figures count under, or None when not counted."""
-        if self.kind == "lock" and self.settings.stats:
-            return self.lock_class
+    def _stats_class(self) -> tuple[str, str] | None:
+        """What this lock's contention figures count under (its kind and class), or None."""
+        if self.settings.stats:
+            return self.kind, self.lock_class
         return None
 
     @property

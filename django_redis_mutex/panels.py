@@ -288,7 +288,7 @@ def _hottest(aliases: list[str]) -> list[dict[str, Any]]:
             found.append(
                 {
                     "alias": terminal_safe(alias),
-                    "lock_class": terminal_safe(figures.lock_class),
+                    "lock_class": terminal_safe(figures.label),
                     "acquired": figures.acquired,
                     "waited": figures.waited,
                     "waited_share": f"{figures.waited_share:.0%}",

@@ -176,7 +176,7 @@ def finish(lock: Handle, hold: Hold, released: bool, databases: tuple[str, ...] 
         released = True
     forget(lock, hold, unwatched=True)
     if released:
-        counted = hold.lock_class
+        counted = hold.counted_as
         if counted is None and not signals.lock_released.receivers:
             return
         held = time.monotonic() - hold.acquired_at

@@ -79,6 +79,13 @@ MAX_PENDING = 20_000
 # "<code>|<lock class>", the histograms "<code><bucket>|<lock class>".
 _COUNTERS = {"a": "acquired", "w": "waited", "c": "contended", "l": "lost", "d": "deadlocks"}
 _WAITS, _HOLDS = "W", "H"
+# A semaphore's fields start with this mark ("sa|jobs"), so that a semaphore
+# and a lock of the same name are counted apart whatever the names hold.
+_SEMAPHORE = "s"
+
+#: What a figure is counted under: the kind of lock ("lock" or "semaphore")
+#: and its lock class.
+Counted = tuple[str, str]
 
 
 def bucket(seconds: float) -> int:
@@ -134,17 +141,19 @@ class _Figures:
             for index, count in theirs.items():
                 mine[index] = mine.get(index, 0) + count
 
-    def fields(self, lock_class: str) -> Iterator[tuple[str, int]]:
+    def fields(self, counted: Counted) -> Iterator[tuple[str, int]]:
         """Yield the (hash field, count) pairs that record these figures."""
+        kind, lock_class = counted
+        mark = "" if kind == "lock" else _SEMAPHORE
         for code, count in self.counts.items():
-            yield f"{code}|{lock_class}", count
+            yield f"{mark}{code}|{lock_class}", count
         for prefix, histogram in ((_WAITS, self.waits), (_HOLDS, self.holds)):
             for index, count in histogram.items():
-                yield f"{prefix}{index}|{lock_class}", count
+                yield f"{mark}{prefix}{index}|{lock_class}", count
 
 
-# (alias, window start, lock class) -> figures not yet written to Redis.
-_Key = tuple[str, int, str]
+# (alias, window start, what is counted) -> figures not yet written to Redis.
+_Key = tuple[str, int, Counted]
 _guard = threading.Lock()
 _pending: dict[_Key, _Figures] = {}
 _dropped = False
@@ -157,7 +166,7 @@ _stop = threading.Event()
 _wake = threading.Event()
 # Per alias: the hold histograms of the last minutes, read back from Redis by
 # the flusher for the aliases a refused caller asked an estimate for.
-_history: dict[str, dict[str, dict[int, int]]] = {}
+_history: dict[str, dict[Counted, dict[int, int]]] = {}
 _history_wanted: set[str] = set()
 
 
@@ -177,10 +186,10 @@ def _after_fork_in_child() -> None:
 os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
-def _figures(alias: str, lock_class: str) -> _Figures | None:
+def _figures(alias: str, counted: Counted) -> _Figures | None:
     """Return the pending figures of a class in this window; call with the guard held."""
     global _dropped
-    key = (alias, int(time.time()) // WINDOW * WINDOW, lock_class)
+    key = (alias, int(time.time()) // WINDOW * WINDOW, counted)
     figures = _pending.get(key)
     if figures is None:
         if len(_pending) >= MAX_PENDING:
@@ -203,10 +212,10 @@ def _figures(alias: str, lock_class: str) -> _Figures | None:
     return figures
 
 
-def acquired(alias: str, lock_class: str, wait: float, waited: bool) -> None:
-    """Count an acquisition of ``lock_class`` taking ``wait`` s (``waited``: refused first)."""
+def acquired(alias: str, counted: Counted, wait: float, waited: bool) -> None:
+    """Count an acquisition taking ``wait`` s (``waited``: refused first)."""
     with _guard:
-        figures = _figures(alias, lock_class)
+        figures = _figures(alias, counted)
         if figures is None:
             return
         counts = figures.counts
@@ -217,41 +226,41 @@ def acquired(alias: str, lock_class: str, wait: float, waited: bool) -> None:
         figures.waits[index] = figures.waits.get(index, 0) + 1
 
 
-def contended(alias: str, lock_class: str) -> None:
-    """Count an acquisition of ``lock_class`` that gave up (its wait is not a lock's wait)."""
-    _count(alias, lock_class, "c")
+def contended(alias: str, counted: Counted) -> None:
+    """Count an acquisition that gave up (its wait is not a lock's wait)."""
+    _count(alias, counted, "c")
 
 
-def released(alias: str, lock_class: str, held: float) -> None:
-    """Count a hold of ``lock_class`` that lasted ``held`` seconds."""
+def released(alias: str, counted: Counted, held: float) -> None:
+    """Count a hold that lasted ``held`` seconds."""
     with _guard:
-        figures = _figures(alias, lock_class)
+        figures = _figures(alias, counted)
         if figures is not None:
             index = bucket(held)
             figures.holds[index] = figures.holds.get(index, 0) + 1
 
 
-def lost(alias: str, lock_class: str) -> None:
-    """Count a hold of ``lock_class`` lost before its release."""
-    _count(alias, lock_class, "l")
+def lost(alias: str, counted: Counted) -> None:
+    """Count a hold lost before its release."""
+    _count(alias, counted, "l")
 
 
-def record_deadlock(alias: str, lock_class: str) -> None:
-    """Count a deadlock involving a lock of ``lock_class`` on cache ``alias``.
+def record_deadlock(alias: str, lock_class: str, kind: str = "lock") -> None:
+    """Count a deadlock involving a lock (or a semaphore) of ``lock_class`` on cache ``alias``.
 
-    For deadlock detection to call; a no-op unless the alias turns ``STATS`` on.
+    A no-op unless the alias turns ``STATS`` on.
     """
     try:
         if not get_settings(alias).stats:
             return
     except ImproperlyConfigured:
         return
-    _count(alias, lock_class, "d")
+    _count(alias, (kind, lock_class), "d")
 
 
-def _count(alias: str, lock_class: str, code: str) -> None:
+def _count(alias: str, counted: Counted, code: str) -> None:
     with _guard:
-        figures = _figures(alias, lock_class)
+        figures = _figures(alias, counted)
         if figures is not None:
             figures.counts[code] = figures.counts.get(code, 0) + 1
 
@@ -323,10 +332,10 @@ def _write(alias: str, figures: dict[_Key, _Figures]) -> int:
         pipe = get_client(alias).pipeline(transaction=False)
         windows: set[int] = set()
         written = 0
-        for (_alias, window, lock_class), counted in figures.items():
+        for (_alias, window, counted), of_window in figures.items():
             key = stats_key(space, window)
             windows.add(window)
-            for name, count in counted.fields(lock_class):
+            for name, count in of_window.fields(counted):
                 pipe.hincrby(key, name, count)
                 written += 1
         for window in windows:
@@ -426,15 +435,18 @@ def _read_windows(alias: str, windows: list[int]) -> list[dict[str, int]]:
     return [{_text(k): int(v) for k, v in (reply or {}).items()} for reply in replies]
 
 
-def _parse_field(name: str) -> tuple[str, int | None, str] | None:
-    """Return (code, bucket or None, lock class) of a hash field, or None if it is not one."""
+def _parse_field(name: str) -> tuple[str, int | None, Counted] | None:
+    """Return (code, bucket or None, what is counted) of a hash field, or None if not one."""
     head, sep, lock_class = name.partition("|")
+    kind = "lock"
+    if head.startswith(_SEMAPHORE):
+        head, kind = head[1:], "semaphore"
     if not sep or not head:
         return None
     if head in _COUNTERS:
-        return head, None, lock_class
+        return head, None, (kind, lock_class)
     if head[0] in (_WAITS, _HOLDS) and head[1:].isdigit():
-        return head[0], int(head[1:]), lock_class
+        return head[0], int(head[1:]), (kind, lock_class)
     return None
 
 
@@ -443,6 +455,8 @@ class ClassStats:
     """The figures of one lock class over the windows read."""
 
     lock_class: str
+    #: "lock" (exclusive or shared) or "semaphore".
+    kind: str = "lock"
     acquired: int = 0
     waited: int = 0
     contended: int = 0
@@ -452,6 +466,11 @@ class ClassStats:
     holds: dict[int, int] = field(default_factory=dict, repr=False)
     #: Per window read, oldest first: acquisitions that waited or gave up.
     per_window: list[int] = field(default_factory=list, repr=False)
+
+    @property
+    def label(self) -> str:
+        """The class as the listings show it: a semaphore's says so."""
+        return self.lock_class if self.kind == "lock" else f"{self.lock_class} (semaphore)"
 
     @property
     def contention(self) -> int:
@@ -483,6 +502,7 @@ class ClassStats:
         """Return the figures as plain values (seconds for times, None when unknown)."""
         return {
             "lock_class": self.lock_class,
+            "kind": self.kind,
             "acquired": self.acquired,
             "waited": self.waited,
             "waited_share": round(self.waited_share, 4),
@@ -522,17 +542,17 @@ def read_stats(using: str = "default", minutes: int = 60) -> StatsReport:
         raise ValueError(f"minutes must be a whole number from 1 to 60, got {minutes!r}.")
     windows = _windows(minutes)
     hashes = _read_windows(using, windows)
-    classes: dict[str, ClassStats] = {}
+    classes: dict[Counted, ClassStats] = {}
     for position, fields in enumerate(hashes):
         for name, count in fields.items():
             parsed = _parse_field(name)
             if parsed is None:
                 continue
-            code, index, lock_class = parsed
-            figures = classes.get(lock_class)
+            code, index, counted = parsed
+            figures = classes.get(counted)
             if figures is None:
-                figures = classes[lock_class] = ClassStats(
-                    lock_class, per_window=[0] * len(windows)
+                figures = classes[counted] = ClassStats(
+                    counted[1], kind=counted[0], per_window=[0] * len(windows)
                 )
             if index is not None:
                 histogram = figures.waits if code == _WAITS else figures.holds
@@ -542,13 +562,15 @@ def read_stats(using: str = "default", minutes: int = 60) -> StatsReport:
             setattr(figures, attribute, getattr(figures, attribute) + count)
             if code in ("w", "c"):
                 figures.per_window[position] += count
-    ranked = sorted(classes.values(), key=lambda c: (-c.contention, -c.acquired, c.lock_class))
+    ranked = sorted(
+        classes.values(), key=lambda c: (-c.contention, -c.acquired, c.lock_class, c.kind)
+    )
     return StatsReport(using, tuple(windows), tuple(ranked))
 
 
-def _read_holds(alias: str) -> dict[str, dict[int, int]]:
+def _read_holds(alias: str) -> dict[Counted, dict[int, int]]:
     """Return the hold histogram of every class over the last HISTORY_WINDOWS minutes."""
-    holds: dict[str, dict[int, int]] = {}
+    holds: dict[Counted, dict[int, int]] = {}
     for fields in _read_windows(alias, _windows(HISTORY_WINDOWS)):
         for name, count in fields.items():
             parsed = _parse_field(name)
@@ -566,19 +588,19 @@ def _read_holds(alias: str) -> dict[str, dict[int, int]]:
 RETRY_QUANTILE = 0.9
 
 
-def _recent_holds(alias: str, lock_class: str) -> dict[int, int]:
+def _recent_holds(alias: str, counted: Counted) -> dict[int, int]:
     """Return the hold histogram of a class: read back from Redis, plus what is not written yet."""
-    merged = dict(_history.get(alias, {}).get(lock_class, {}))
+    merged = dict(_history.get(alias, {}).get(counted, {}))
     oldest = int(time.time()) - HISTORY_WINDOWS * WINDOW
     with _guard:
         for (pending_alias, window, pending_class), figures in _pending.items():
-            if pending_alias == alias and pending_class == lock_class and window >= oldest:
+            if pending_alias == alias and pending_class == counted and window >= oldest:
                 for index, count in figures.holds.items():
                     merged[index] = merged.get(index, 0) + count
     return merged
 
 
-def retry_after(alias: str, lock_class: str | None, pttl_ms: int, held_ms: int) -> int:
+def retry_after(alias: str, counted: Counted | None, pttl_ms: int, held_ms: int) -> int:
     """Return the seconds a caller refused a lock should wait before trying again.
 
     ``pttl_ms``: what is left of the holder's lease (0 or less: not known);
@@ -586,17 +608,20 @@ def retry_after(alias: str, lock_class: str | None, pttl_ms: int, held_ms: int) 
     The estimate is the ``RETRY_QUANTILE`` of this class's recent holds that
     lasted longer than the holder's so far, minus the holder's time so far,
     never more than the lease left and at least 1 s: 1 s when the holder has
-    had the lock longer than any recent hold (by its history it is due), the
-    lease left when no recent hold is known at all.
+    had the lock longer than any recent hold (by its history it is due).
+    With no recent hold of the class known, a hold that has lasted t is taken
+    to last about t more (as likely shorter as longer), so callers told again
+    and again back off, doubling their waits; the lease left only when the
+    holder's time so far is not known either.
     """
     lease_left = max(1, math.ceil(pttl_ms / 1000)) if pttl_ms > 0 else 1
-    if lock_class is None or held_ms < 0:
+    if counted is None or held_ms < 0:
         return lease_left
     _history_wanted.add(alias)
-    holds = _recent_holds(alias, lock_class)
-    if not holds:
-        return lease_left
+    holds = _recent_holds(alias, counted)
     held = held_ms / 1000
+    if not holds:
+        return max(1, min(lease_left, math.ceil(held)))
     longer = {i: n for i, n in holds.items() if bucket_bounds(i)[1] > held}
     expected = quantile(longer, RETRY_QUANTILE)
     if expected is None:

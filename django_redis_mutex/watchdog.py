@@ -224,7 +224,7 @@ def announce_lost(item: Renewable, reason: str, *, log: bool = True) -> bool:
     held = time.monotonic() - item.acquired_at
     if log:
         logger.error("%s was lost after %.3fs: %s.", item.describe(), held, reason)
-    counted = getattr(item, "lock_class", None)
+    counted = getattr(item, "counted_as", None)
     if counted is not None:
         stats.lost(item.alias, counted)
     if not signals.lock_lost.receivers:

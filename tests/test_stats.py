@@ -18,7 +18,14 @@ from django.conf import settings
 from django.core.exceptions import ImproperlyConfigured
 from django.test import override_settings
 
-from django_redis_mutex import LockBackendUnavailable, Mutex, mutex, signals, stats
+from django_redis_mutex import (
+    LockBackendUnavailable,
+    Mutex,
+    Semaphore,
+    mutex,
+    signals,
+    stats,
+)
 from django_redis_mutex.conf import parse_settings
 from django_redis_mutex.keys import stats_key
 
@@ -105,15 +112,53 @@ def test_figures_are_not_counted_without_the_setting(raw: Any) -> None:
         assert stats.read_stats("default", minutes=1).classes == ()
 
 
-def test_retry_after_is_the_lease_left_without_history(stats_on: None) -> None:
+def test_retry_after_without_history_is_the_holders_time_so_far(stats_on: None) -> None:
+    # No hold of the class is known yet: the lease (30 s, renewed by the
+    # watchdog) says nothing of when the holder is done, and the estimate is
+    # the holder's time so far, so callers told again and again back off.
     holder = Mutex("fresh:1", ttl=30)
     assert holder.acquire()
     try:
+        assert wait_until(lambda: holder.time_left() <= 27.5, timeout=10)
         contender = Mutex("fresh:1")
+        assert not contender.acquire(blocking=False)
+        held = 30 - holder.time_left()
+        assert 2 <= contender.contended().retry_after <= held + 2
+    finally:
+        holder.release()
+
+
+def test_retry_after_is_the_lease_left_when_the_holders_time_is_not_known(
+    stats_on: None,
+) -> None:
+    # Shared holders report no time held: the lease left is all there is.
+    holder = Mutex("read:1", ttl=30, shared=True)
+    assert holder.acquire()
+    try:
+        contender = Mutex("read:1")
         assert not contender.acquire(blocking=False)
         assert 28 <= contender.contended().retry_after <= 30
     finally:
         holder.release()
+
+
+def test_a_semaphore_is_counted_apart_from_a_lock_of_the_same_name(stats_on: None) -> None:
+    permits = [Semaphore("jobs", 2), Semaphore("jobs", 2)]
+    assert all(permit.acquire() for permit in permits)
+    try:
+        assert not Semaphore("jobs", 2).acquire(blocking=False)
+    finally:
+        for permit in permits:
+            permit.release()
+    with mutex("jobs"):
+        pass
+    stats.flush()
+    report = stats.read_stats("default", minutes=5)
+    found = {(c.kind, c.lock_class): c for c in report.classes if c.lock_class == "jobs"}
+    assert set(found) == {("semaphore", "jobs"), ("lock", "jobs")}
+    counted, lock = found["semaphore", "jobs"], found["lock", "jobs"]
+    assert (counted.acquired, counted.contended, lock.acquired, lock.contended) == (2, 1, 1, 0)
+    assert counted.label == "jobs (semaphore)" and lock.label == "jobs"
 
 
 @pytest.mark.parametrize("held_first", [0.0, 0.05])

@@ -136,7 +136,7 @@ def stats_rows(report: stats.StatsReport) -> list[tuple[str, ...]]:
     """Return the --stats table's rows, in STATS_COLUMNS order, hottest class first."""
     return [
         (
-            terminal_safe(figures.lock_class),
+            terminal_safe(figures.label),
             str(figures.acquired),
             f"{figures.waited} ({figures.waited_share:.0%})",
             str(figures.contended),
