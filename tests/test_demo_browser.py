@@ -115,7 +115,9 @@ def test_second_tab_gets_503_while_the_inventory_lock_is_held(
     page_b.goto(demo.url + "/")
     refused = reserve(page_b)
     assert refused.status == 503
-    assert int(refused.headers["retry-after"]) >= 1
+    # No hold of the class is known yet: the estimate is the holder's time so
+    # far (a few seconds), never the 28 s left of the renewed 30 s lease.
+    assert 1 <= int(refused.headers["retry-after"]) <= HOLD_SECONDS // 2
     expect(page_b.locator("h1")).to_have_text("Someone else is working on this right now")
     page_b.screenshot(path=str(tmp_path / "refused.png"))
 
