@@ -19,11 +19,11 @@ from typing import Any, Literal, Protocol, TypeVar
 
 from redis import exceptions as redis_errors
 
-from . import lockorder, signals
+from . import deadlock, lockorder, signals
 from .client import backend_errors
 from .conf import DEFAULT, refuse_timeout_without_blocking, validate_flag, validate_timeout
 from .driver import AsyncDriver, Pop, Sleep, Steps, run_in_child, run_steps
-from .exceptions import LockBackendUnavailable, LockUpgradeRefused
+from .exceptions import LockBackendUnavailable, LockDeadlock, LockUpgradeRefused
 from .giveback import give_back_later
 from .holds import Attempt, Hold, awaiting_hold, current_owner, owner_metadata, scoped_hold
 from .release import Handle, agive_back, forget, give_back
@@ -80,17 +80,22 @@ def acquire(lock: AcquiringHandle, blocking: Any, timeout: Any) -> Hold | None:
     attempt = start(lock, blocking, timeout)
     token, started = attempt.token, attempt.started
     while True:
-        with _acquisition_errors(lock.name, lock.using, started):
-            try:
-                grant = run_steps(_acquisition_steps(lock, attempt))
-            except (redis_errors.TimeoutError, LockBackendUnavailable):
-                # Redis is not answering: a cancel now would wait out another
-                # socket timeout, so it is left to the background.
-                _abandon_later(lock, token)
-                raise
-            except BaseException:
-                _abandon(lock, token)
-                raise
+        try:
+            with _acquisition_errors(lock.name, lock.using, started):
+                try:
+                    grant = run_steps(_acquisition_steps(lock, attempt))
+                except (redis_errors.TimeoutError, LockBackendUnavailable):
+                    # Redis is not answering: a cancel now would wait out another
+                    # socket timeout, so it is left to the background.
+                    _abandon_later(lock, token)
+                    raise
+                except BaseException:
+                    _abandon(lock, token)
+                    raise
+        except LockDeadlock as error:
+            # Out of line already, like a wait that timed out.
+            _note_deadlock(lock, attempt, error)
+            raise
         # Outside backend_errors: an error of a signal receiver is not Redis's.
         if grant is None:
             _note_contention(lock, attempt)
@@ -120,8 +125,12 @@ async def aacquire(lock: AcquiringHandle, blocking: Any, timeout: Any) -> Hold |
     attempt = start(lock, blocking, timeout)
     started = attempt.started
     while True:
-        with _acquisition_errors(lock.name, lock.using, started):
-            adopted = await _acquire_in_child(lock, attempt)
+        try:
+            with _acquisition_errors(lock.name, lock.using, started):
+                adopted = await _acquire_in_child(lock, attempt)
+        except LockDeadlock as error:
+            _note_deadlock(lock, attempt, error)
+            raise
         if adopted is None:
             _note_contention(lock, attempt)
             return None
@@ -191,7 +200,7 @@ def _joinable(lock: AcquiringHandle, hold: Hold) -> Hold:
 
 def _acquisition_steps(lock: AcquiringHandle, attempt: Attempt) -> Steps[Grant | None]:
     """Return the steps of a new acquisition, telling ``lock_waiting`` receivers if any."""
-    steps = lock._where.acquire_steps(attempt)
+    steps = deadlock.watched(lock._where.acquire_steps(attempt), lock, attempt)
     if attempt.blocking and signals.lock_waiting.receivers:
         return _told_waits(steps, lock.using, lock.name)
     return steps
@@ -209,6 +218,21 @@ def _note_contention(lock: AcquiringHandle, attempt: Attempt) -> None:
             wait=error.waited,
             retry_after=error.retry_after,
             owner=error.owner,
+            shared=lock.shared,
+            **lock._kind_signal,
+        )
+
+
+def _note_deadlock(lock: AcquiringHandle, attempt: Attempt, error: LockDeadlock) -> None:
+    """Tell of a wait ended to break a deadlock: as a timeout, then ``lock_deadlock``."""
+    _note_contention(lock, attempt)
+    if signals.lock_deadlock.receivers:
+        signals.lock_deadlock.send(
+            sender=lock.using,
+            name=lock.name,
+            wait=error.waited,
+            owner=error.owner,
+            cycle=error.cycle,
             shared=lock.shared,
             **lock._kind_signal,
         )

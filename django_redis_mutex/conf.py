@@ -87,6 +87,9 @@ DEFAULTS: dict[str, Any] = {
     # Refuse to lock on a Redis that may evict keys (maxmemory with a policy
     # other than noeviction), or whose policy cannot be read (see eviction.py).
     "REQUIRE_NOEVICTION": False,
+    # Seconds a wait lasts before it looks for a cycle of waits through it
+    # (see deadlock.py); None turns deadlock detection off.
+    "DEADLOCK_TIMEOUT": 1.0,
 }
 
 # A lease longer than a year is a bug in the caller, not a lock.
@@ -115,6 +118,7 @@ class MutexSettings:
     wait_replicas: int = 0
     wait_timeout: float = 1.0
     require_noeviction: bool = False
+    deadlock_timeout: float | None = 1.0
 
 
 def _is_number(value: object) -> bool:
@@ -279,6 +283,23 @@ def _validate_require_noeviction(alias: str, merged: dict[str, Any]) -> bool:
     return required
 
 
+def _validate_deadlock_timeout(alias: str, value: object) -> float | None:
+    where = f"CACHES[{alias!r}]['MUTEX']['DEADLOCK_TIMEOUT']"
+    if value is None:
+        return None
+    if not _is_number(value) or math.isnan(value) or math.isinf(value):  # type: ignore[arg-type]
+        raise ImproperlyConfigured(
+            f"{where} must be a finite number of seconds, or None to turn deadlock "
+            f"detection off, got {value!r}."
+        )
+    if value <= 0:  # type: ignore[operator]
+        raise ImproperlyConfigured(
+            f"{where} must be more than 0 seconds (None turns deadlock detection off), "
+            f"got {value!r}."
+        )
+    return float(value)  # type: ignore[arg-type]
+
+
 def parse_settings(alias: str, block: object) -> MutexSettings:
     """Validate one ``MUTEX`` block and merge it over the defaults."""
     if block is None:
@@ -316,6 +337,7 @@ def parse_settings(alias: str, block: object) -> MutexSettings:
         wait_replicas=wait_replicas,
         wait_timeout=wait_timeout,
         require_noeviction=_validate_require_noeviction(alias, merged),
+        deadlock_timeout=_validate_deadlock_timeout(alias, merged["DEADLOCK_TIMEOUT"]),
     )
 
 

@@ -1,0 +1,351 @@
+"""Deadlock detection: find a cycle of waits through this wait, and end one wait of it.
+
+Each thread or asyncio task is an *agent*, named in the owner record of every
+lock it holds (see :func:`~django_redis_mutex.holds.owner_metadata`). A wait
+that outlasts ``DEADLOCK_TIMEOUT`` writes a short-lived waits-for record under
+its agent (``<namespace>:waits:{<agent>}``, see :mod:`~django_redis_mutex.keys`):
+the lock it waits for and its token in that lock's queue, refreshed at each
+check and deleted when the wait ends. Then, at each check, it walks from the
+lock it waits for to its holders, from each holder's agent to that agent's
+record, to the lock named there, and so on, in Redis only, so the walk sees
+waits of every process on every host using that Redis.
+
+A waiter is in a cycle when the walk comes back to it along edges that are
+*certain*:
+
+* a lock held exclusively: its waiter waits for that holder;
+* a lock held shared: an exclusive waiter waits for every holder, so any
+  holder in the cycle keeps it waiting; a shared waiter waits only for an
+  exclusive waiter in line before it, whose giving up would let it in, so it
+  has no certain edge;
+* a semaphore: its waiter needs one permit back, so it is certainly stuck only
+  when every permit is held (as many holders as the limit) and every holder is
+  itself stuck in the cycle.
+
+A record counts only while its agent's token is still in that lock's queue
+(a waiter just handed the lock, or gone, is no longer waiting), and a holder
+without an agent (written by an older version) is never followed.
+
+Every participant of a cycle may find it; exactly one must end its wait. The
+victim is the youngest wait: the latest place in line by the Redis server
+clock (the lock queue's score), ties broken by the token. A waiter looks for
+a cycle through itself in which every other wait is older than its own, and
+ends its own wait only when it finds one; the youngest of any cycle finds it,
+and nobody else of a single cycle does. So the choice needs no message
+between the participants, and it is the same whoever looks first.
+
+The walk is bounded (:data:`MAX_DEPTH` levels, :data:`MAX_AGENTS` agents, two
+pipelined round trips per level) and only runs on waits that outlasted the
+timeout, off the hot path: an acquisition that gets its lock at once never
+comes here.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any, Protocol, TypeVar
+
+from .client import namespace
+from .conf import MutexSettings
+from .driver import Commands, Pop, Sleep, Steps
+from .exceptions import LockDeadlock
+from .holds import Attempt, decode
+from .keys import LockKeys, SharedRecord, waits_key
+from .owners import Owner, agent_of, parse_owner
+from .scripts import WAIT_LEASE
+
+__all__ = ["CHECK_INTERVAL", "MAX_AGENTS", "MAX_DEPTH", "RECORD_TTL", "WatchedHandle", "watched"]
+
+T = TypeVar("T")
+
+#: How many locks deep a walk follows waits before it gives up.
+MAX_DEPTH = 16
+#: How many waiting agents one walk reads at most.
+MAX_AGENTS = 64
+#: How long a waits-for record outlives the check that wrote it (seconds):
+#: longer than the time between two checks of a live waiter (a check-in is at
+#: most half a wait lease apart), so only a dead waiter's record vanishes.
+RECORD_TTL = WAIT_LEASE + 1.0
+#: The least time between two checks of one wait (seconds).
+CHECK_INTERVAL = 0.5
+
+
+class WatchedHandle(Protocol):
+    """What deadlock detection asks of the lock handle whose acquisition it watches."""
+
+    name: str
+    using: str
+    settings: MutexSettings
+    keys: LockKeys
+
+    @property
+    def _where(self) -> Any: ...
+
+
+class _Lock:
+    """What one lock hash says of its holders: their agents and owners, and a semaphore's limit."""
+
+    __slots__ = ("exclusive", "holders", "limit", "name", "owners")
+
+    def __init__(self, name: str, fields: dict[str, str]) -> None:
+        self.name = name
+        self.limit = int(fields["limit"]) if fields.get("limit", "").isdigit() else 0
+        self.exclusive = "token" in fields
+        holders: list[str | None] = []
+        owners: list[str] = []
+        if self.exclusive:
+            owners.append(fields.get("owner", ""))
+        else:
+            for key, value in fields.items():
+                if key.startswith("r:"):
+                    record = SharedRecord.parse(value)
+                    owners.append(record.owner if record is not None else "")
+        for owner in owners:
+            holders.append(agent_of(owner))
+        self.holders = holders
+        self.owners = owners
+
+    def waits_on(self, shared_waiter: bool) -> tuple[str, list[str | None]]:
+        """Return ("any" or "all", agents) that a waiter of this lock certainly waits for.
+
+        "any": one of the agents stuck in the cycle keeps the waiter waiting;
+        "all": only every agent stuck does (a semaphore's permits). No agents:
+        no certain edge.
+        """
+        if self.exclusive:
+            return "any", self.holders
+        if self.limit:
+            if len(self.holders) >= self.limit:
+                return "all", self.holders
+            return "all", []
+        if shared_waiter:
+            return "any", []
+        return "any", self.holders
+
+
+@dataclass
+class _Wait:
+    """One agent's wait as Redis shows it: the lock, its place in line (server µs) and token."""
+
+    lock_key: str
+    token: str
+    since: float
+
+    @property
+    def age(self) -> tuple[float, str]:
+        """Order of waits: the later place in line is the younger; ties by token."""
+        return (self.since, self.token)
+
+
+@dataclass
+class _Graph:
+    """What one walk read: each agent's wait, and each lock's holders."""
+
+    me: str
+    waits: dict[str, _Wait] = field(default_factory=dict)
+    locks: dict[str, _Lock] = field(default_factory=dict)
+
+    def cycle(self) -> list[tuple[str, str]] | None:
+        """Return a cycle through ``me`` of waits older than ``me``'s, as (lock, holder agent).
+
+        Every other agent on it is followed only if its wait is older than
+        ours, so only the youngest wait of a cycle finds it.
+        """
+        mine = self.waits[self.me]
+        path: list[tuple[str, str]] = []
+        on_path: set[str] = set()
+
+        def stuck(agent: str) -> bool:
+            if agent == self.me:
+                return True
+            wait = self.waits.get(agent)
+            if wait is None or wait.age >= mine.age or agent in on_path:
+                return False
+            on_path.add(agent)
+            try:
+                return edges(agent, wait)
+            finally:
+                on_path.discard(agent)
+
+        def edges(agent: str, wait: _Wait) -> bool:
+            lock = self.locks.get(wait.lock_key)
+            if lock is None:
+                return False
+            how, holders = lock.waits_on(wait.token.startswith("s"))
+            if not holders:
+                return False
+            depth = len(path)
+            for index, holder in enumerate(holders):
+                path[depth:] = [(lock.name, lock.owners[index])]
+                found = holder is not None and stuck(holder)
+                if how == "any" and found:
+                    return True
+                if how == "all" and not found:
+                    del path[depth:]
+                    return False
+            if how == "all":
+                return True
+            del path[depth:]
+            return False
+
+        return path if edges(self.me, mine) else None
+
+
+def watched(steps: Steps[T], lock: WatchedHandle, attempt: Attempt) -> Steps[T]:
+    """Return ``steps``, looking for a deadlock whenever they block past DEADLOCK_TIMEOUT.
+
+    Steps that cannot deadlock are returned as they are: a try without
+    waiting, a timeout shorter than the detection's, detection turned off,
+    and a quorum lock (whose waiters never queue).
+    """
+    timeout = lock.settings.deadlock_timeout
+    if (
+        timeout is None
+        or not attempt.blocking
+        or lock._where.quorum > 1
+        or (attempt.deadline is not None and attempt.deadline - attempt.started <= timeout)
+    ):
+        return steps
+    return _watching(steps, lock, attempt, attempt.started + timeout)
+
+
+def _watching(steps: Steps[T], lock: WatchedHandle, attempt: Attempt, check_at: float) -> Steps[T]:
+    """Pass ``steps`` through; before each blocking step after ``check_at``, look for a cycle.
+
+    The wait's record is deleted when the steps end (granted, or timed out);
+    a wait ended by an error or a cancel leaves it to expire, and it no
+    longer counts as soon as the token has left the queue.
+    """
+    alias = lock.using
+    watch: _Watch | None = None
+    try:
+        op = next(steps)
+        while True:
+            if isinstance(op, (Pop, Sleep)) and time.monotonic() >= check_at:
+                if watch is None:
+                    watch = _Watch(alias, lock, attempt)
+                found = yield from watch.check()
+                if found is not None:
+                    yield from watch.forget()
+                    raise _deadlock(lock, attempt, found)
+                check_at = time.monotonic() + CHECK_INTERVAL
+            op = steps.send((yield op))
+    except StopIteration as done:
+        if watch is not None:
+            yield from watch.forget()
+        return done.value  # type: ignore[no-any-return]
+    finally:
+        steps.close()
+
+
+def _deadlock(lock: WatchedHandle, attempt: Attempt, found: list[tuple[str, str]]) -> LockDeadlock:
+    """Return the error ending this wait of the cycle ``found``."""
+    error = attempt.contention._replace(waited=time.monotonic() - attempt.started).error(lock.name)
+    cycle = tuple(f"{name!r} held by {parse_owner(owner) or Owner()}" for name, owner in found)
+    return LockDeadlock(
+        lock.name,
+        cycle=cycle,
+        retry_after=error.retry_after,
+        owner=error.owner,
+        waited=error.waited,
+    )
+
+
+class _Watch:
+    """One acquisition's deadlock checks: its record, and the walk from the lock it waits for."""
+
+    def __init__(self, alias: str, lock: WatchedHandle, attempt: Attempt) -> None:
+        self.alias = alias
+        self.namespace = namespace(alias)
+        self.agent = agent_of(attempt.owner_json) or ""
+        self.keys: LockKeys = lock.keys
+        self.token = attempt.token
+        self.record = waits_key(self.namespace, self.agent)
+        self.written = False
+
+    def check(self) -> Steps[list[tuple[str, str]] | None]:
+        """Write this wait's record, then walk; return the cycle if this wait is its victim."""
+        if not self.agent:
+            return None
+        self.written = True
+        ttl = int(RECORD_TTL * 1000)
+        replies = yield Commands(
+            self.alias,
+            (
+                ("SET", self.record, f"{self.token}|{self.keys.lock}", "PX", ttl),
+                ("ZSCORE", self.keys.queue, self.token),
+                ("HGETALL", self.keys.lock),
+            ),
+        )
+        if replies[1] is None:  # not in line: handed the lock, or the place lapsed
+            return None
+        graph = _Graph(self.agent)
+        graph.waits[self.agent] = _Wait(self.keys.lock, self.token, float(replies[1]))
+        graph.locks[self.keys.lock] = self._lock(self.keys.lock, replies[2])
+        yield from self._walk(graph)
+        return graph.cycle()
+
+    def _walk(self, graph: _Graph) -> Steps[None]:
+        """Read, level by level, the waits of the holders found so far and the locks they wait for.
+
+        Only waits older than ours are followed: a younger one cannot be on a
+        cycle this wait is the victim of.
+        """
+        mine = graph.waits[graph.me].age
+        seen = {graph.me}
+        frontier = self._holders(graph, graph.locks[self.keys.lock], seen)
+        for _level in range(MAX_DEPTH):
+            if not frontier or len(seen) > MAX_AGENTS:
+                return
+            records = yield Commands(
+                self.alias,
+                tuple(("GET", waits_key(self.namespace, agent)) for agent in frontier),
+            )
+            waiting: list[tuple[str, str, str]] = []
+            for agent, record in zip(frontier, records, strict=True):
+                token, _, lock_key = decode(record).partition("|")
+                if token and lock_key.startswith(self.namespace + ":"):
+                    waiting.append((agent, token, lock_key))
+            if not waiting:
+                return
+            commands: list[tuple[Any, ...]] = []
+            for _agent, token, lock_key in waiting:
+                commands.append(("ZSCORE", LockKeys.for_lock_key(lock_key).queue, token))
+                commands.append(("HGETALL", lock_key))
+            replies = yield Commands(self.alias, tuple(commands))
+            frontier = []
+            for index, (agent, token, lock_key) in enumerate(waiting):
+                since, fields = replies[2 * index], replies[2 * index + 1]
+                if since is None:
+                    continue  # no longer in that line
+                wait = _Wait(lock_key, token, float(since))
+                graph.waits[agent] = wait
+                if wait.age >= mine:
+                    continue
+                held = graph.locks.get(lock_key)
+                if held is None:
+                    held = graph.locks[lock_key] = self._lock(lock_key, fields)
+                frontier += self._holders(graph, held, seen)
+
+    @staticmethod
+    def _holders(graph: _Graph, lock: _Lock, seen: set[str]) -> list[str]:
+        """Return the agents holding ``lock`` not read yet, marking them read."""
+        found = []
+        for agent in lock.holders:
+            if agent is not None and agent not in seen:
+                seen.add(agent)
+                found.append(agent)
+        return found
+
+    def _lock(self, lock_key: str, fields: Any) -> _Lock:
+        if isinstance(fields, list):  # a client without HGETALL's reply callback
+            fields = dict(zip(fields[::2], fields[1::2], strict=True))
+        decoded = {decode(key): decode(value) for key, value in (fields or {}).items()}
+        return _Lock(LockKeys.for_lock_key(lock_key).name_of(self.namespace), decoded)
+
+    def forget(self) -> Steps[None]:
+        """Delete this wait's record (best effort: it expires anyway)."""
+        if self.written:
+            self.written = False
+            yield Commands(self.alias, (("DEL", self.record),), best_effort=True)
