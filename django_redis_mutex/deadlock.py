@@ -222,14 +222,21 @@ def _watching(steps: Steps[T], lock: WatchedHandle, attempt: Attempt, check_at: 
     try:
         op = next(steps)
         while True:
-            if isinstance(op, (Pop, Sleep)) and time.monotonic() >= check_at:
-                if watch is None:
-                    watch = _Watch(alias, lock, attempt)
-                found = yield from watch.check()
-                if found is not None:
-                    yield from watch.forget()
-                    raise _deadlock(lock, attempt, found)
-                check_at = time.monotonic() + CHECK_INTERVAL
+            if isinstance(op, (Pop, Sleep)):
+                now = time.monotonic()
+                if now >= check_at:
+                    if watch is None:
+                        watch = _Watch(alias, lock, attempt)
+                    found = yield from watch.check()
+                    if found is not None:
+                        yield from watch.forget()
+                        raise _deadlock(lock, attempt, found)
+                    check_at = time.monotonic() + CHECK_INTERVAL
+                elif watch is None and isinstance(op, Pop) and now + op.wait > check_at:
+                    # The first check comes at DEADLOCK_TIMEOUT, not at the end
+                    # of a longer blocking wait; a pop that ends early is an
+                    # early check-in, which the steps take as any other.
+                    op = op._replace(wait=check_at - now)
             op = steps.send((yield op))
     except StopIteration as done:
         if watch is not None:
