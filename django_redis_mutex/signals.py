@@ -19,9 +19,9 @@ Each is sent with ``sender`` set to the cache alias and these keyword arguments:
 ``lock_deadlock``
     ``name``, ``wait``, ``owner`` (the holder in the way, when known),
     ``cycle`` (the waits found, as in
-    :attr:`LockDeadlock.cycle <django_redis_mutex.LockDeadlock>`), ``shared``:
+    :attr:`LockDeadlock.cycle <django_redis_mutex.exceptions.LockDeadlock>`), ``shared``:
     an acquisition was chosen to end a cycle of waits and is about to raise
-    :class:`~django_redis_mutex.LockDeadlock` (see :doc:`deadlocks`). Sent
+    :class:`~django_redis_mutex.exceptions.LockDeadlock` (see :doc:`deadlocks`). Sent
     after its ``lock_contended``, in the thread or task that acquired.
 ``lock_lost``
     ``name``, ``fence``, ``held`` (seconds from acquisition until the loss was
