@@ -147,49 +147,71 @@ class _Graph:
     locks: dict[str, _Lock] = field(default_factory=dict)
 
     def cycle(self) -> list[tuple[str, str]] | None:
-        """Return a cycle through ``me`` of waits older than ``me``'s, as (lock, holder agent).
+        """Return a cycle of certain waits through ``me``, as (lock name, holder's owner JSON).
 
-        Every other agent on it is followed only if its wait is older than
-        ours, so only the youngest wait of a cycle finds it.
+        Only ``me`` and waits older than ``me``'s take part, so only the
+        youngest wait of a cycle finds it. First the waits that are certainly
+        stuck among them are kept (as long as one is not, it is dropped, and
+        the waits that counted on it are looked at again): a semaphore's
+        waiter is stuck only while every permit's holder is. Then a cycle is
+        looked for among what is left, through ``me`` and at least one other
+        agent: an owner waiting for a lock it holds itself (``reentrant=False``)
+        waits for its own lease to end, which is no deadlock to break.
         """
         mine = self.waits[self.me]
-        path: list[tuple[str, str]] = []
-        on_path: set[str] = set()
-
-        def stuck(agent: str) -> bool:
-            if agent == self.me:
-                return True
-            wait = self.waits.get(agent)
-            if wait is None or wait.age >= mine.age or agent in on_path:
-                return False
-            on_path.add(agent)
-            try:
-                return edges(agent, wait)
-            finally:
-                on_path.discard(agent)
-
-        def edges(agent: str, wait: _Wait) -> bool:
+        blocking: dict[str, tuple[str, list[tuple[str, _Lock, int]]]] = {}
+        for agent, wait in self.waits.items():
+            if agent != self.me and wait.age >= mine.age:
+                continue
             lock = self.locks.get(wait.lock_key)
             if lock is None:
-                return False
+                continue
             how, holders = lock.waits_on(wait.token.startswith("s"))
-            if not holders:
-                return False
-            depth = len(path)
-            for index, holder in enumerate(holders):
-                path[depth:] = [(lock.name, lock.owners[index])]
-                found = holder is not None and stuck(holder)
-                if how == "any" and found:
-                    return True
-                if how == "all" and not found:
-                    del path[depth:]
-                    return False
-            if how == "all":
-                return True
-            del path[depth:]
-            return False
+            found = [
+                (holder, lock, index)
+                for index, holder in enumerate(holders)
+                if holder is not None and (how == "all" or holder != agent)
+            ]
+            if found and (how == "any" or len(found) == len(holders)):
+                blocking[agent] = (how, found)
+        stuck = set(blocking)
+        dropped = True
+        while dropped:
+            dropped = False
+            for agent in list(stuck):
+                how, found = blocking[agent]
+                held = [holder in stuck for holder, _lock, _index in found]
+                if not (any(held) if how == "any" else all(held)):
+                    stuck.discard(agent)
+                    dropped = True
+        if self.me not in stuck:
+            return None
+        return self._path_back(blocking, stuck)
 
-        return path if edges(self.me, mine) else None
+    def _path_back(
+        self, blocking: dict[str, tuple[str, list[tuple[str, _Lock, int]]]], stuck: set[str]
+    ) -> list[tuple[str, str]] | None:
+        """Return the shortest path of waits among ``stuck`` from ``me`` back to ``me``."""
+        came: dict[str, tuple[str, str, str]] = {}
+        frontier = [self.me]
+        while frontier:
+            following = []
+            for agent in frontier:
+                for holder, lock, index in blocking[agent][1]:
+                    if holder == agent or holder not in stuck:
+                        continue
+                    if holder == self.me:
+                        path = [(lock.name, lock.owners[index])]
+                        while agent != self.me:
+                            before, name, owner = came[agent]
+                            path.append((name, owner))
+                            agent = before
+                        return path[::-1]
+                    if holder not in came:
+                        came[holder] = (agent, lock.name, lock.owners[index])
+                        following.append(holder)
+            frontier = following
+        return None
 
 
 def watched(steps: Steps[T], lock: WatchedHandle, attempt: Attempt) -> Steps[T]:
@@ -236,7 +258,7 @@ def _watching(steps: Steps[T], lock: WatchedHandle, attempt: Attempt, check_at: 
                     # The first check comes at DEADLOCK_TIMEOUT, not at the end
                     # of a longer blocking wait; a pop that ends early is an
                     # early check-in, which the steps take as any other.
-                    op = op._replace(wait=check_at - now)
+                    op = op._replace(wait=max(check_at - now, 0.001))
             op = steps.send((yield op))
     except StopIteration as done:
         if watch is not None:

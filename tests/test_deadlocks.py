@@ -206,7 +206,8 @@ def handle(spec: str) -> Any:
     """Return the context of a lock spec, as the worker builds it."""
     name, _, kind = spec.partition(":")
     if kind.startswith("semaphore:"):
-        return semaphore(name, int(kind.split(":")[1]), timeout=30)
+        limit, _, strict = kind.removeprefix("semaphore:").partition(":")
+        return semaphore(name, int(limit), timeout=30, reentrant=not strict)
     return mutex(name, timeout=30, shared=kind == "shared")
 
 
@@ -385,6 +386,27 @@ def test_a_chain_of_waits_that_is_no_cycle_raises_nothing(
 
     last.go.set()  # the end of the chain finishes, and the chain unwinds
     assert members.outcomes() == {"first": "acquired", "second": "acquired", "last": "acquired"}
+
+
+def test_owners_each_holding_a_permit_and_waiting_for_another_deadlock(
+    members: Members,
+) -> None:
+    # Non-reentrant permits: each owner waits for a second one, which only
+    # the other's could free.
+    members.add("first", "mb-s:semaphore:2", "mb-s:semaphore:2:strict")
+    members.add("second", "mb-s:semaphore:2", "mb-s:semaphore:2:strict")
+    members.wait("first")
+    members.wait("second")
+
+    assert members.outcomes() == {"first": "acquired", "second": "deadlock"}
+
+
+@pytest.mark.usefixtures("quick_detection")
+def test_an_owner_waiting_for_its_own_lock_waits_out_its_timeout() -> None:
+    # Not reentrant: it waits for its own lease to end (none will, here),
+    # which is no cycle between owners.
+    with mutex("mb-a"):
+        assert Mutex("mb-a", reentrant=False, timeout=1.5).acquire() is False
 
 
 def test_the_victim_is_told_as_for_a_timeout_then_by_lock_deadlock(members: Members) -> None:
