@@ -15,9 +15,8 @@ A waiter is in a cycle when the walk comes back to it along edges that are
 
 * a lock held exclusively: its waiter waits for that holder;
 * a lock held shared: an exclusive waiter waits for every holder, so any
-  holder in the cycle keeps it waiting; a shared waiter waits only for an
-  exclusive waiter in line before it, whose giving up would let it in, so it
-  has no certain edge;
+  holder in the cycle keeps it waiting; so does a shared waiter, kept out by
+  an older exclusive waiter in line before it that waits for every holder;
 * a semaphore: its waiter needs one permit back, so it is certainly stuck only
   when every permit is held (as many holders as the limit) and every holder is
   itself stuck in the cycle.
@@ -106,21 +105,23 @@ class _Lock:
         self.holders = holders
         self.owners = owners
 
-    def waits_on(self, shared_waiter: bool) -> tuple[str, list[str | None]]:
+    def waits_on(self) -> tuple[str, list[str | None]]:
         """Return ("any" or "all", agents) that a waiter of this lock certainly waits for.
 
         "any": one of the agents stuck in the cycle keeps the waiter waiting;
         "all": only every agent stuck does (a semaphore's permits). No agents:
         no certain edge.
+
+        A lock held shared keeps an exclusive waiter out until every holder
+        left. A shared waiter is kept out only while an exclusive waiter is
+        in line before it, which is older and waits for every holder: it stays
+        as long as one holder is stuck, so the shared waiter waits for every
+        holder too.
         """
-        if self.exclusive:
-            return "any", self.holders
         if self.limit:
             if len(self.holders) >= self.limit:
                 return "all", self.holders
             return "all", []
-        if shared_waiter:
-            return "any", []
         return "any", self.holders
 
 
@@ -166,7 +167,7 @@ class _Graph:
             lock = self.locks.get(wait.lock_key)
             if lock is None:
                 continue
-            how, holders = lock.waits_on(wait.token.startswith("s"))
+            how, holders = lock.waits_on()
             found = [
                 (holder, lock, index)
                 for index, holder in enumerate(holders)

@@ -346,6 +346,24 @@ def test_an_exclusive_wait_on_a_shared_lock_deadlocks_when_any_reader_waits_for_
     }
 
 
+def test_a_shared_wait_behind_a_waiting_writer_deadlocks_when_a_reader_waits_for_it(
+    members: Members,
+) -> None:
+    # The writer in line keeps new readers out until every reader left.
+    members.add("writer", "mb-w", "mb-b")
+    members.add("reader", "mb-b:shared", "mb-a")
+    members.add("shared-waiter", "mb-a", "mb-b:shared")
+    members.wait("writer")
+    members.wait("reader")
+    members.wait("shared-waiter")
+
+    assert members.outcomes() == {
+        "writer": "acquired",
+        "reader": "acquired",
+        "shared-waiter": "deadlock",
+    }
+
+
 def test_a_semaphore_whose_every_permit_is_in_the_cycle_deadlocks(members: Members) -> None:
     members.add("permit", "mb-s:semaphore:1", "mb-b")
     members.add("waiter", "mb-b", "mb-s:semaphore:1")
