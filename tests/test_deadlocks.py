@@ -202,21 +202,23 @@ def quick_detection(settings: Any) -> None:
     settings.CACHES = caches
 
 
-def handle(spec: str) -> Any:
+def handle(spec: str, timeout: float = 30) -> Any:
     """Return the context of a lock spec, as the worker builds it."""
     name, _, kind = spec.partition(":")
     if kind.startswith("semaphore:"):
         limit, _, strict = kind.removeprefix("semaphore:").partition(":")
-        return semaphore(name, int(limit), timeout=30, reentrant=not strict)
-    return mutex(name, timeout=30, shared=kind == "shared")
+        return semaphore(name, int(limit), timeout=timeout, reentrant=not strict)
+    return mutex(name, timeout=timeout, shared=kind == "shared")
 
 
 class Member(threading.Thread):
     """A participant in a thread (or in an event loop of its own): holds, waits when told."""
 
-    def __init__(self, who: str, held: str, wanted: str, *, in_loop: bool = False) -> None:
+    def __init__(
+        self, who: str, held: str, wanted: str, *, in_loop: bool = False, timeout: float = 30
+    ) -> None:
         super().__init__(name=who)
-        self.held, self.wanted, self.in_loop = held, wanted, in_loop
+        self.held, self.wanted, self.in_loop, self.timeout = held, wanted, in_loop, timeout
         self.holding, self.go = threading.Event(), threading.Event()
         self.outcome = ""
         self.error: BaseException | None = None
@@ -235,20 +237,24 @@ class Member(threading.Thread):
             self.holding.set()
             assert self.go.wait(30)
             try:
-                with handle(self.wanted):
+                with handle(self.wanted, self.timeout):
                     self.outcome = "acquired"
             except LockDeadlock as error:
                 self.outcome, self.error = "deadlock", error
+            except LockContended:
+                self.outcome = "timed out"
 
     async def _arun(self) -> None:
         async with handle(self.held):
             self.holding.set()
             assert await asyncio.to_thread(self.go.wait, 30)
             try:
-                async with handle(self.wanted):
+                async with handle(self.wanted, self.timeout):
                     self.outcome = "acquired"
             except LockDeadlock as error:
                 self.outcome, self.error = "deadlock", error
+            except LockContended:
+                self.outcome = "timed out"
 
 
 class Members:
@@ -258,8 +264,8 @@ class Members:
         self.raw = raw
         self.members: dict[str, Member] = {}
 
-    def add(self, who: str, held: str, wanted: str, *, in_loop: bool = False) -> Member:
-        member = self.members[who] = Member(who, held, wanted, in_loop=in_loop)
+    def add(self, who: str, held: str, wanted: str, **options: Any) -> Member:
+        member = self.members[who] = Member(who, held, wanted, **options)
         member.start()
         assert member.holding.wait(10), f"{who} did not get {held!r}"
         return member
@@ -317,13 +323,31 @@ def checked_twice(raw: redis.Redis, waiters: int) -> None:
     wait_until(each_refreshed, 10, "every waiter to check again")
 
 
-def test_an_async_with_participant_is_chosen_and_its_block_unwinds(members: Members) -> None:
+def test_an_async_with_participant_is_chosen_and_its_block_unwinds(
+    members: Members, raw: redis.Redis
+) -> None:
     members.add("sync", "mb-a", "mb-b")
     members.add("async", "mb-b", "mb-a", in_loop=True)
     members.wait("sync")
     members.wait("async")
 
     assert members.outcomes() == {"sync": "acquired", "async": "deadlock"}
+    assert waits_records(raw) == []  # each wait deleted its record as it ended
+
+
+def test_with_detection_off_a_cycle_waits_out_its_timeouts(members: Members, settings: Any) -> None:
+    caches = copy.deepcopy(settings.CACHES)
+    caches["default"]["MUTEX"]["DEADLOCK_TIMEOUT"] = None
+    settings.CACHES = caches
+    members.add("first", "mb-a", "mb-b", timeout=1)
+    members.add("second", "mb-b", "mb-a", timeout=1)
+    members.wait("first")
+    members.wait("second")
+
+    # The first to time out lets go of its lock, which the other may still get.
+    outcomes = members.outcomes()
+    assert outcomes["first"] == "timed out" or outcomes["second"] == "timed out"
+    assert set(outcomes.values()) <= {"timed out", "acquired"}
 
 
 def test_an_exclusive_wait_on_a_shared_lock_deadlocks_when_any_reader_waits_for_it(
