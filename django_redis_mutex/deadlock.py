@@ -272,10 +272,11 @@ def _watching(steps: Steps[T], lock: WatchedHandle, attempt: Attempt, check_at: 
 def _deadlock(lock: WatchedHandle, attempt: Attempt, found: list[tuple[str, str]]) -> LockDeadlock:
     """Return the error ending this wait of the cycle ``found``."""
     error = attempt.contention._replace(waited=time.monotonic() - attempt.started).error(lock.name)
-    cycle = tuple(f"{name!r} held by {parse_owner(owner) or Owner()}" for name, owner in found)
+    cycle = [f"{name!r} held by {parse_owner(owner) or Owner()}" for name, owner in found]
+    cycle[-1] += " (this owner)"
     return LockDeadlock(
         lock.name,
-        cycle=cycle,
+        cycle=tuple(cycle),
         retry_after=error.retry_after,
         owner=error.owner,
         waited=error.waited,

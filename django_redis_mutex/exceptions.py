@@ -82,10 +82,10 @@ class LockDeadlock(LockContended):
     ) -> None:
         super().__init__(name, retry_after=retry_after, owner=owner, waited=waited)
         self.cycle = tuple(cycle)
-        found = "; ".join(self.cycle)
+        found = ", which waits for ".join(self.cycle) or "its holder waits for us"
         self.args = (
-            f"Deadlock waiting for lock {name!r}: {found or 'its holder waits for us'}. "
-            "This wait was chosen to end; release the locks held and retry.",
+            f"Deadlock waiting for lock {name!r}: {found}. This wait, the youngest of the "
+            "cycle, was ended: release the locks held before retrying.",
         )
 
 
