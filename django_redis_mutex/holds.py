@@ -95,17 +95,19 @@ def _hostname() -> str:
 
 
 @lru_cache(maxsize=256)
-def _owner_json(pid: int, where: str, label: str | None) -> str:
-    """Return the owner record up to the agent id, which the caller appends with ``"}``.
-
-    Cached per thread or task name and label; the agent id changes with every
-    task, so it is appended rather than cached (hex and dots need no escaping).
-    """
+def _owner_start(pid: int, where: str, label: str | None) -> str:
+    """Return the owner record up to the agent id, which the caller appends with ``"}``."""
     record = json.dumps(
         {"host": _hostname(), "pid": pid, "thread": where, "label": label, "agent": ""},
         separators=(",", ":"),
     )
     return record[:-2] + _agent_prefix + "."
+
+
+@lru_cache(maxsize=1024)
+def _owner_json(pid: int, where: str, label: str | None, ident: int) -> str:
+    """Return the whole owner record of thread ``ident``: threads live long, so it is cached."""
+    return _owner_start(pid, where, label) + f"{ident:x}" + '"}'
 
 
 def owner_metadata(label: str | None) -> str:
@@ -114,15 +116,12 @@ def owner_metadata(label: str | None) -> str:
     ``agent`` names the thread or asyncio task uniquely across hosts (a random
     prefix per process, then the thread ident or the task's id): deadlock
     detection follows it from a lock's holder to what that holder waits for.
+    A task's id changes with every task, so its record is not cached whole.
     """
     task = _running_task()
     if task is not None:
-        return _owner_json(_pid, task.get_name(), label) + f"t{id(task):x}" + '"}'
-    return (
-        _owner_json(_pid, threading.current_thread().name, label)
-        + f"{threading.get_ident():x}"
-        + '"}'
-    )
+        return _owner_start(_pid, task.get_name(), label) + f"t{id(task):x}" + '"}'
+    return _owner_json(_pid, threading.current_thread().name, label, threading.get_ident())
 
 
 class Contention(NamedTuple):
