@@ -19,7 +19,7 @@ from typing import Any, Literal, Protocol, TypeVar
 
 from redis import exceptions as redis_errors
 
-from . import deadlock, lockorder, signals
+from . import lockorder, signals
 from .client import backend_errors
 from .conf import DEFAULT, refuse_timeout_without_blocking, validate_flag, validate_timeout
 from .driver import AsyncDriver, Pop, Sleep, Steps, run_in_child, run_steps
@@ -200,7 +200,7 @@ def _joinable(lock: AcquiringHandle, hold: Hold) -> Hold:
 
 def _acquisition_steps(lock: AcquiringHandle, attempt: Attempt) -> Steps[Grant | None]:
     """Return the steps of a new acquisition, telling ``lock_waiting`` receivers if any."""
-    steps = deadlock.watched(lock._where.acquire_steps(attempt), lock, attempt)
+    steps = lock._where.acquire_steps(attempt)
     if attempt.blocking and signals.lock_waiting.receivers:
         return _told_waits(steps, lock.using, lock.name)
     return steps

@@ -78,9 +78,6 @@ class WatchedHandle(Protocol):
     settings: MutexSettings
     keys: LockKeys
 
-    @property
-    def _where(self) -> Any: ...
-
 
 class _Lock:
     """What one lock hash says of its holders: their agents and owners, and a semaphore's limit."""
@@ -216,18 +213,15 @@ class _Graph:
 
 
 def watched(steps: Steps[T], lock: WatchedHandle, attempt: Attempt) -> Steps[T]:
-    """Return ``steps``, looking for a deadlock whenever they block past DEADLOCK_TIMEOUT.
+    """Return the steps of a wait in line, looking for a deadlock when they block past the timeout.
 
-    Steps that cannot deadlock are returned as they are: a try without
-    waiting, a timeout shorter than the detection's, detection turned off,
-    and a quorum lock (whose waiters never queue).
+    One Redis's wait in line calls this (a quorum's waiters never queue).
+    Steps that cannot deadlock are returned as they are: a timeout no longer
+    than DEADLOCK_TIMEOUT, or detection turned off.
     """
     timeout = lock.settings.deadlock_timeout
-    if (
-        timeout is None
-        or not attempt.blocking
-        or lock._where.quorum > 1
-        or (attempt.deadline is not None and attempt.deadline - attempt.started <= timeout)
+    if timeout is None or (
+        attempt.deadline is not None and attempt.deadline - attempt.started <= timeout
     ):
         return steps
     return _watching(steps, lock, attempt, attempt.started + timeout)
