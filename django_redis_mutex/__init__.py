@@ -7,6 +7,7 @@ from .decorators import MutexContext, mutex, skip_if_locked
 from .exceptions import (
     LockBackendUnavailable,
     LockContended,
+    LockDeadlock,
     LockError,
     LockLost,
     LockNotOwned,
@@ -37,6 +38,7 @@ __all__ = [
     "LockAfterReadWarning",
     "LockBackendUnavailable",
     "LockContended",
+    "LockDeadlock",
     "LockError",
     "LockLost",
     "LockNotOwned",

@@ -23,7 +23,7 @@ from . import lockorder, signals, stats
 from .client import backend_errors
 from .conf import DEFAULT, refuse_timeout_without_blocking, validate_flag, validate_timeout
 from .driver import AsyncDriver, Pop, Sleep, Steps, run_in_child, run_steps
-from .exceptions import LockBackendUnavailable, LockUpgradeRefused
+from .exceptions import LockBackendUnavailable, LockDeadlock, LockUpgradeRefused
 from .giveback import give_back_later
 from .holds import Attempt, Hold, awaiting_hold, current_owner, owner_metadata, scoped_hold
 from .release import Handle, agive_back, forget, give_back
@@ -83,17 +83,22 @@ def acquire(lock: AcquiringHandle, blocking: Any, timeout: Any) -> Hold | None:
     attempt = start(lock, blocking, timeout)
     token, started = attempt.token, attempt.started
     while True:
-        with _acquisition_errors(lock.name, lock.using, started):
-            try:
-                grant = run_steps(_acquisition_steps(lock, attempt))
-            except (redis_errors.TimeoutError, LockBackendUnavailable):
-                # Redis is not answering: a cancel now would wait out another
-                # socket timeout, so it is left to the background.
-                _abandon_later(lock, token)
-                raise
-            except BaseException:
-                _abandon(lock, token)
-                raise
+        try:
+            with _acquisition_errors(lock.name, lock.using, started):
+                try:
+                    grant = run_steps(_acquisition_steps(lock, attempt))
+                except (redis_errors.TimeoutError, LockBackendUnavailable):
+                    # Redis is not answering: a cancel now would wait out another
+                    # socket timeout, so it is left to the background.
+                    _abandon_later(lock, token)
+                    raise
+                except BaseException:
+                    _abandon(lock, token)
+                    raise
+        except LockDeadlock as error:
+            # Out of line already, like a wait that timed out.
+            _note_deadlock(lock, attempt, error)
+            raise
         # Outside backend_errors: an error of a signal receiver is not Redis's.
         if grant is None:
             _note_contention(lock, attempt)
@@ -123,8 +128,12 @@ async def aacquire(lock: AcquiringHandle, blocking: Any, timeout: Any) -> Hold |
     attempt = start(lock, blocking, timeout)
     started = attempt.started
     while True:
-        with _acquisition_errors(lock.name, lock.using, started):
-            adopted = await _acquire_in_child(lock, attempt)
+        try:
+            with _acquisition_errors(lock.name, lock.using, started):
+                adopted = await _acquire_in_child(lock, attempt)
+        except LockDeadlock as error:
+            _note_deadlock(lock, attempt, error)
+            raise
         if adopted is None:
             _note_contention(lock, attempt)
             return None
@@ -215,6 +224,24 @@ def _note_contention(lock: AcquiringHandle, attempt: Attempt) -> None:
             wait=error.waited,
             retry_after=error.retry_after,
             owner=error.owner,
+            shared=lock.shared,
+            **lock._kind_signal,
+        )
+
+
+def _note_deadlock(lock: AcquiringHandle, attempt: Attempt, error: LockDeadlock) -> None:
+    """Tell of a wait ended to break a deadlock: as a timeout, then ``lock_deadlock``."""
+    _note_contention(lock, attempt)
+    counted = lock._stats_class
+    if counted is not None:
+        stats.deadlocked(lock.using, counted)
+    if signals.lock_deadlock.receivers:
+        signals.lock_deadlock.send(
+            sender=lock.using,
+            name=lock.name,
+            wait=error.waited,
+            owner=error.owner,
+            cycle=error.cycle,
             shared=lock.shared,
             **lock._kind_signal,
         )

@@ -91,6 +91,9 @@ DEFAULTS: dict[str, Any] = {
     # from a background thread once per STATS_FLUSH_INTERVAL seconds (see stats.py).
     "STATS": False,
     "STATS_FLUSH_INTERVAL": 10,
+    # Seconds a wait lasts before it looks for a cycle of waits through it
+    # (see deadlock.py); None turns deadlock detection off.
+    "DEADLOCK_TIMEOUT": 1.0,
 }
 
 # The shortest and longest STATS_FLUSH_INTERVAL: more often than twice a second
@@ -125,6 +128,7 @@ class MutexSettings:
     require_noeviction: bool = False
     stats: bool = False
     stats_flush_interval: float = 10.0
+    deadlock_timeout: float | None = 1.0
 
 
 def _is_number(value: object) -> bool:
@@ -318,6 +322,23 @@ def _validate_flush_interval(value: object, *, what: str) -> float:
     return check_bounds(what, interval, *STATS_FLUSH_BOUNDS, value, " seconds")
 
 
+def _validate_deadlock_timeout(alias: str, value: object) -> float | None:
+    where = f"CACHES[{alias!r}]['MUTEX']['DEADLOCK_TIMEOUT']"
+    if value is None:
+        return None
+    if not _is_number(value) or math.isnan(value) or math.isinf(value):  # type: ignore[arg-type]
+        raise ImproperlyConfigured(
+            f"{where} must be a finite number of seconds, or None to turn deadlock "
+            f"detection off, got {value!r}."
+        )
+    if value <= 0:  # type: ignore[operator]
+        raise ImproperlyConfigured(
+            f"{where} must be more than 0 seconds (None turns deadlock detection off), "
+            f"got {value!r}."
+        )
+    return float(value)  # type: ignore[arg-type]
+
+
 def parse_settings(alias: str, block: object) -> MutexSettings:
     """Validate one ``MUTEX`` block and merge it over the defaults."""
     if block is None:
@@ -359,6 +380,7 @@ def parse_settings(alias: str, block: object) -> MutexSettings:
         stats_flush_interval=_wrap(
             alias, "STATS_FLUSH_INTERVAL", _validate_flush_interval, merged["STATS_FLUSH_INTERVAL"]
         ),
+        deadlock_timeout=_validate_deadlock_timeout(alias, merged["DEADLOCK_TIMEOUT"]),
     )
 
 

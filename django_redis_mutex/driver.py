@@ -41,6 +41,7 @@ __all__ = [
     "REDIS_TICK",
     "Acknowledged",
     "AsyncDriver",
+    "Commands",
     "Each",
     "Fanned",
     "Pop",
@@ -117,13 +118,28 @@ class Pop(NamedTuple):
     longest: float  # the longest wait this acquisition ever asks for
 
 
+class Commands(NamedTuple):
+    """Send plain commands to one Redis in one round trip; the answer is their replies in order.
+
+    A pipeline without a transaction: for reads and writes that need no
+    script because nothing has to happen at one instant (deadlock detection's
+    waits-for records and its walk over the locks), and whose keys may lie in
+    different cluster slots. A ``best_effort`` batch that fails is logged and
+    answered with None, as a best-effort :class:`Script` is.
+    """
+
+    alias: str
+    commands: tuple[tuple[Any, ...], ...]
+    best_effort: bool = False
+
+
 class Sleep(NamedTuple):
     """Sleep locally (the last Redis timer tick before a holder's expiry, a quorum retry)."""
 
     seconds: float
 
 
-Op = Script | Each | Pop | Sleep | Acknowledged
+Op = Script | Each | Pop | Sleep | Acknowledged | Commands
 Steps = Generator[Op, Any, T]
 
 # Answers that mean a master could not be asked (not that it refused).
@@ -171,6 +187,8 @@ def _do(op: Op) -> Any:
             return None
     if isinstance(op, Each):
         return _each(op)
+    if isinstance(op, Commands):
+        return _commands(op)
     if isinstance(op, Acknowledged):
         # Reads outlast the WAIT even under a short SOCKET_TIMEOUT.
         client = get_blocking_client(op.alias, op.timeout)
@@ -183,13 +201,24 @@ def _do(op: Op) -> Any:
     return None
 
 
-def _gave_up(op: Script, exc: BaseException) -> None:
+def _gave_up(op: Script | Commands, exc: BaseException) -> None:
+    what = f"the {op.script.name} script" if isinstance(op, Script) else "commands"
     logger.warning(
-        "Could not run the %s script on %r (a later check-in makes up for it): %s",
-        op.script.name,
-        op.alias,
-        exc,
+        "Could not run %s on %r (a later check-in makes up for it): %s", what, op.alias, exc
     )
+
+
+def _commands(op: Commands) -> list[Any] | None:
+    try:
+        pipe = get_client(op.alias).pipeline(transaction=False)
+        for command in op.commands:
+            pipe.execute_command(*command)
+        return list(pipe.execute())
+    except (RedisError, OSError) as exc:
+        if not op.best_effort:
+            raise
+        _gave_up(op, exc)
+        return None
 
 
 def _unblocked(exc: ResponseError) -> bool:
@@ -389,6 +418,8 @@ class AsyncDriver:
                 return await _aeach(op)
             finally:
                 self.in_script = False
+        if isinstance(op, Commands):
+            return await _acommands(op)
         if isinstance(op, Acknowledged):
             self.in_script = True
             try:
@@ -403,6 +434,19 @@ class AsyncDriver:
             finally:
                 self.in_script = False
         await asyncio.sleep(op.seconds)
+        return None
+
+
+async def _acommands(op: Commands) -> list[Any] | None:
+    try:
+        pipe = (await get_async_client(op.alias)).pipeline(transaction=False)
+        for command in op.commands:
+            pipe.execute_command(*command)
+        return list(await pipe.execute())
+    except (RedisError, OSError) as exc:
+        if not op.best_effort:
+            raise
+        _gave_up(op, exc)
         return None
 
 

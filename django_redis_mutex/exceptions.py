@@ -57,6 +57,38 @@ class LockContended(LockError):
         self.waited = waited
 
 
+class LockDeadlock(LockContended):
+    """Waiting for the lock would never end: its holder waits, directly or through others, for us.
+
+    The acquisition was one wait of a cycle of waits (each waiting for a lock
+    the next one holds) and was chosen to end, as a timeout ends a wait: it
+    left the line and holds nothing of this lock. The locks the caller already
+    holds are still held until it releases them (a ``with`` block or a
+    decorated call does so as this error unwinds it), which lets the others of
+    the cycle go on. ``cycle`` describes the waits found, in order, starting
+    with this one. See :doc:`deadlocks`.
+
+    .. versionadded:: 0.3.0
+    """
+
+    def __init__(
+        self,
+        name: str,
+        *,
+        cycle: tuple[str, ...] = (),
+        retry_after: int = 1,
+        owner: Owner | None = None,
+        waited: float = 0.0,
+    ) -> None:
+        super().__init__(name, retry_after=retry_after, owner=owner, waited=waited)
+        self.cycle = tuple(cycle)
+        found = ", which waits for ".join(self.cycle) or "its holder waits for us"
+        self.args = (
+            f"Deadlock waiting for lock {name!r}: {found}. This wait, the youngest of the "
+            "cycle, was ended: release the locks held before retrying.",
+        )
+
+
 class LockLost(LockError):
     """A hold ended without our release: it expired, was reset, or was taken.
 

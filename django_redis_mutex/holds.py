@@ -23,6 +23,7 @@ import asyncio
 import json
 import math
 import os
+import secrets
 import socket
 import threading
 import time
@@ -65,11 +66,16 @@ def _running_task() -> asyncio.Task[Any] | None:
 # This process's id, read once (getpid is a system call on every lock cycle
 # otherwise) and again in a forked child.
 _pid = os.getpid()
+# Starts the agent id of every thread and task of this process: random, so
+# that agents of processes on different hosts (or a pid reused) never meet,
+# and new in a forked child, whose threads reuse the parent's idents.
+_agent_prefix = secrets.token_hex(6)
 
 
 def _after_fork_in_child() -> None:
-    global _pid
+    global _pid, _agent_prefix
     _pid = os.getpid()
+    _agent_prefix = secrets.token_hex(6)
 
 
 os.register_at_fork(after_in_child=_after_fork_in_child)
@@ -89,18 +95,33 @@ def _hostname() -> str:
 
 
 @lru_cache(maxsize=256)
-def _owner_json(pid: int, where: str, label: str | None) -> str:
-    return json.dumps(
-        {"host": _hostname(), "pid": pid, "thread": where, "label": label},
+def _owner_start(pid: int, where: str, label: str | None) -> str:
+    """Return the owner record up to the agent id, which the caller appends with ``"}``."""
+    record = json.dumps(
+        {"host": _hostname(), "pid": pid, "thread": where, "label": label, "agent": ""},
         separators=(",", ":"),
     )
+    return record[:-2] + _agent_prefix + "."
+
+
+@lru_cache(maxsize=1024)
+def _owner_json(pid: int, where: str, label: str | None, ident: int) -> str:
+    """Return the whole owner record of thread ``ident``: threads live long, so it is cached."""
+    return _owner_start(pid, where, label) + f"{ident:x}" + '"}'
 
 
 def owner_metadata(label: str | None) -> str:
-    """Return the JSON owner record stored with a lock: host, pid, thread or task, label."""
+    """Return the JSON owner record stored with a lock: host, pid, thread or task, label, agent.
+
+    ``agent`` names the thread or asyncio task uniquely across hosts (a random
+    prefix per process, then the thread ident or the task's id): deadlock
+    detection follows it from a lock's holder to what that holder waits for.
+    A task's id changes with every task, so its record is not cached whole.
+    """
     task = _running_task()
-    where = task.get_name() if task is not None else threading.current_thread().name
-    return _owner_json(_pid, where, label)
+    if task is not None:
+        return _owner_start(_pid, task.get_name(), label) + f"t{id(task):x}" + '"}'
+    return _owner_json(_pid, threading.current_thread().name, label, threading.get_ident())
 
 
 class Contention(NamedTuple):

@@ -19,6 +19,15 @@ The layout of one lock, written here and nowhere else (``<lock>`` is
     <lock>:waiting       hash: waiting token -> "<ttl ms>|<owner JSON>"
     <lock>:wake:<token>  list: a waiter's wake-up, "<fence>|<successor token>"
 
+One key per waiting thread or task, outside any lock (``<agent>`` is the
+agent id in the owner record, see holds.py)::
+
+    <namespace>:waits:{<agent>}
+                         string: "<token>|<lock key>", the lock the agent waits
+                         for and its token in that lock's queue; written only
+                         while a wait outlasts DEADLOCK_TIMEOUT, with a short
+                         expiry (see deadlock.py)
+
 A semaphore has the same layout, under ``<namespace>:semaphore:{<escaped
 name>}``: its permits are shared holders' records, and its hash also keeps
 ``limit``, the most holders it admits at once. A lock and a semaphore of one
@@ -58,6 +67,7 @@ __all__ = [
     "unescape_name",
     "validate_label",
     "validate_name",
+    "waits_key",
 ]
 
 MAX_NAME_LENGTH = 1024
@@ -151,10 +161,28 @@ def stats_key(namespace: str, window: int) -> str:
     return f"{namespace}:{_STATS}{{{window}}}"
 
 
+# Where the waits-for records live in a namespace, before the agent's hash tag.
+_WAITS = "waits:"
+
+
 def app_key_patterns(namespace: str) -> tuple[str, ...]:
     """Return SCAN patterns matching every key this app writes in a namespace, and no other."""
     escaped = glob_escape(namespace)
-    return (escaped + ":{*", escaped + ":" + _SEMAPHORES + "{*", escaped + ":" + _STATS + "{*")
+    return (
+        escaped + ":{*",
+        escaped + ":" + _SEMAPHORES + "{*",
+        escaped + ":" + _STATS + "{*",
+        escaped + ":" + _WAITS + "{*",
+    )
+
+
+def waits_key(namespace: str, agent: str) -> str:
+    """Return the key of the waits-for record of ``agent`` (a thread or task) in a namespace.
+
+    The agent id is hex and dots (see holds.owner_metadata), but it is read
+    back from owner records anyone may have written, so it is escaped too.
+    """
+    return f"{namespace}:{_WAITS}{{{escape_name(agent)}}}"
 
 
 @lru_cache(maxsize=4096)

@@ -15,7 +15,7 @@ import warnings
 from dataclasses import asdict, dataclass
 from typing import Any
 
-__all__ = ["Owner", "mark_transaction", "parse_owner"]
+__all__ = ["Owner", "agent_of", "mark_transaction", "parse_owner"]
 
 
 def _text(value: Any) -> str | None:
@@ -128,3 +128,20 @@ def parse_owner(raw: Any) -> Owner | None:
     except ValueError:
         return None
     return Owner.from_record(record) if isinstance(record, dict) else None
+
+
+def agent_of(raw: Any) -> str | None:
+    """Return the agent id in an owner record (the thread or task that holds), or None.
+
+    Records written before agents existed, and records that are not ours, have
+    none: their holder is never followed by deadlock detection.
+    """
+    if not raw:
+        return None
+    text = raw.decode("utf-8", "replace") if isinstance(raw, bytes) else str(raw)
+    try:
+        record = json.loads(text)
+    except ValueError:
+        return None
+    agent = record.get("agent") if isinstance(record, dict) else None
+    return agent if isinstance(agent, str) and agent else None

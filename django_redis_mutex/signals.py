@@ -22,6 +22,13 @@ Each is sent with ``sender`` set to the cache alias and these keyword arguments:
 ``lock_contended``
     ``name``, ``wait`` (seconds waited before giving up), ``retry_after``, ``owner``,
     ``shared``.
+``lock_deadlock``
+    ``name``, ``wait``, ``owner`` (the holder in the way, when known),
+    ``cycle`` (the waits found, as in
+    :attr:`LockDeadlock.cycle <django_redis_mutex.exceptions.LockDeadlock>`), ``shared``:
+    an acquisition was chosen to end a cycle of waits and is about to raise
+    :class:`~django_redis_mutex.exceptions.LockDeadlock` (see :doc:`deadlocks`). Sent
+    after its ``lock_contended``, in the thread or task that acquired.
 ``lock_lost``
     ``name``, ``fence``, ``held`` (seconds from acquisition until the loss was
     noticed), ``shared``.
@@ -41,7 +48,7 @@ Each is sent with ``sender`` set to the cache alias and these keyword arguments:
 
 ``shared`` is True for a shared (read) lock, ``mutex(name, shared=True)``,
 and for a semaphore's permit. A permit's ``lock_acquired``, ``lock_released``,
-``lock_held_for_transaction``, ``lock_contended`` and ``lock_lost`` also carry
+``lock_held_for_transaction``, ``lock_contended``, ``lock_deadlock`` and ``lock_lost`` also carry
 ``kind="semaphore"``.
 
 Receivers run in the thread that acquired or released the lock, except
@@ -66,6 +73,7 @@ from django.dispatch import Signal
 __all__ = [
     "lock_acquired",
     "lock_contended",
+    "lock_deadlock",
     "lock_held_for_transaction",
     "lock_lost",
     "lock_released",
@@ -79,6 +87,7 @@ lock_acquired = Signal()
 lock_released = Signal()
 lock_held_for_transaction = Signal()
 lock_contended = Signal()
+lock_deadlock = Signal()
 lock_lost = Signal()
 lock_waiting = Signal()
 lock_unavailable = Signal()

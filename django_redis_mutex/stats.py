@@ -51,9 +51,9 @@ __all__ = [
     "WINDOW",
     "ClassStats",
     "StatsReport",
+    "deadlocked",
     "flush",
     "read_stats",
-    "record_deadlock",
     "retry_after",
 ]
 
@@ -245,17 +245,9 @@ def lost(alias: str, counted: Counted) -> None:
     _count(alias, counted, "l")
 
 
-def record_deadlock(alias: str, lock_class: str, kind: str = "lock") -> None:
-    """Count a deadlock involving a lock (or a semaphore) of ``lock_class`` on cache ``alias``.
-
-    A no-op unless the alias turns ``STATS`` on.
-    """
-    try:
-        if not get_settings(alias).stats:
-            return
-    except ImproperlyConfigured:
-        return
-    _count(alias, (kind, lock_class), "d")
+def deadlocked(alias: str, counted: Counted) -> None:
+    """Count an acquisition ended to break a deadlock (see deadlock.py)."""
+    _count(alias, counted, "d")
 
 
 def _count(alias: str, counted: Counted, code: str) -> None:

@@ -18,7 +18,7 @@ from __future__ import annotations
 import time
 from typing import Any, Literal, NamedTuple, Protocol
 
-from . import scripts
+from . import deadlock, scripts
 from .conf import MutexSettings
 from .driver import REDIS_TICK, Acknowledged, Pop, Script, Sleep, Steps
 from .exceptions import LockNotReplicated
@@ -69,6 +69,9 @@ class LockHandle(Protocol):
     def _acquire_args(self, attempt: Attempt, join: bool) -> list[Any]: ...
 
     def _refused(self, attempt: Attempt, reply: list[Any]) -> None: ...
+
+    @property
+    def _stats_class(self) -> tuple[str, str] | None: ...
 
 
 class OneRedis:
@@ -203,6 +206,18 @@ class OneRedis:
         )
 
     def _wait_steps(
+        self, attempt: Attempt, reply: list[Any], refused_sent: float
+    ) -> Steps[Grant | None]:
+        """Wait in line, looking for a deadlock past DEADLOCK_TIMEOUT (see deadlock.py).
+
+        Only a refused acquisition gets here: one granted at once pays
+        nothing for deadlock detection.
+        """
+        return deadlock.watched(
+            self._waiting_steps(attempt, reply, refused_sent), self.lock, attempt
+        )
+
+    def _waiting_steps(
         self, attempt: Attempt, reply: list[Any], refused_sent: float
     ) -> Steps[Grant | None]:
         """Wait in line until handed the lock or the deadline passes.

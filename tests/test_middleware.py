@@ -9,6 +9,7 @@ thread (or task) is a different owner and cannot join its hold.
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 from collections.abc import Callable
 from pathlib import Path
@@ -19,6 +20,7 @@ from asgiref.sync import iscoroutinefunction
 from django.http import HttpRequest, HttpResponse
 from django.test import AsyncClient, Client, RequestFactory
 
+from django_redis_mutex import LockDeadlock
 from django_redis_mutex.middleware import MutexMiddleware
 from django_redis_mutex.testing import free_port
 from tests.testapp import views
@@ -263,6 +265,16 @@ def test_other_exceptions_propagate_untouched(client: Client, kind: str) -> None
 def test_other_exceptions_still_become_django_500() -> None:
     response = Client(raise_request_exception=False).get("/fail/lost/")
     assert response.status_code == 500
+
+
+def test_a_deadlock_victim_is_answered_503_as_a_contended_lock(rf: RequestFactory) -> None:
+    middleware = MutexMiddleware(lambda request: HttpResponse())
+    victim = LockDeadlock("orders", cycle=("'orders' held by web1, pid 7",), retry_after=4)
+    response = middleware.process_exception(rf.get("/orders/"), victim)
+    assert response is not None
+    assert response.status_code == 503
+    assert json.loads(response.content) == {"error": "locked", "lock": "orders", "retry_after": 4}
+    assert response["Retry-After"] == "4"
 
 
 def test_process_exception_declines_other_exceptions() -> None:
