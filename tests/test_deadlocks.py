@@ -30,6 +30,7 @@ from django_redis_mutex import (
     mutex,
     semaphore,
     signals,
+    stats,
 )
 from django_redis_mutex.client import namespace
 from django_redis_mutex.conf import parse_settings
@@ -481,6 +482,26 @@ def test_the_victim_is_told_as_for_a_timeout_then_by_lock_deadlock(members: Memb
     assert contended_args["owner"].thread == deadlock_args["owner"].thread == "older"
     assert deadlock_args["cycle"] == error.cycle
     assert deadlock_args["shared"] is False
+
+
+def test_a_deadlock_is_counted_in_the_contention_figures(members: Members, settings: Any) -> None:
+    caches = copy.deepcopy(settings.CACHES)
+    caches["default"]["MUTEX"]["STATS"] = True
+    settings.CACHES = caches
+    try:
+        members.add("older", "mb-a", "mb-b")
+        members.add("younger", "mb-b", "mb-a")
+        members.wait("older")
+        members.wait("younger")
+        assert members.outcomes() == {"older": "acquired", "younger": "deadlock"}
+        stats.flush()
+        report = stats.read_stats("default", minutes=5)
+        found = {c.lock_class: c for c in report.classes}
+        # The victim waited for mb-a: one deadlock, counted among the give-ups.
+        assert (found["mb-a"].deadlocks, found["mb-a"].contended) == (1, 1)
+        assert found["mb-b"].deadlocks == 0
+    finally:
+        stats.flush()
 
 
 @pytest.mark.parametrize(
