@@ -20,6 +20,7 @@ process: a child task or a forked child is a new owner.
 from __future__ import annotations
 
 import asyncio
+import itertools
 import json
 import math
 import os
@@ -27,6 +28,7 @@ import secrets
 import socket
 import threading
 import time
+import weakref
 from contextvars import ContextVar
 from dataclasses import dataclass, field
 from functools import cache, lru_cache
@@ -105,23 +107,42 @@ def _owner_start(pid: int, where: str, label: str | None) -> str:
 
 
 @lru_cache(maxsize=1024)
-def _owner_json(pid: int, where: str, label: str | None, ident: int) -> str:
-    """Return the whole owner record of thread ``ident``: threads live long, so it is cached."""
-    return _owner_start(pid, where, label) + f"{ident:x}" + '"}'
+def _owner_json(pid: int, where: str, label: str | None, serial: int) -> str:
+    """Return the whole owner record of the thread numbered ``serial``: threads live long."""
+    return _owner_start(pid, where, label) + f"{serial:x}" + '"}'
+
+
+# Agents are numbered in the order this process first meets them, never by
+# thread ident or id(task): both are reused once a thread or task is gone, and
+# a lock still held by a finished one (kept for a transaction, leaked) would
+# then be taken for a wait of its successor's.
+_serials = itertools.count(1)
+_thread_agent = threading.local()
+_task_agents: weakref.WeakKeyDictionary[asyncio.Task[Any], int] = weakref.WeakKeyDictionary()
+
+
+def _thread_serial() -> int:
+    serial: int | None = getattr(_thread_agent, "serial", None)
+    if serial is None:
+        serial = _thread_agent.serial = next(_serials)
+    return serial
 
 
 def owner_metadata(label: str | None) -> str:
     """Return the JSON owner record stored with a lock: host, pid, thread or task, label, agent.
 
     ``agent`` names the thread or asyncio task uniquely across hosts (a random
-    prefix per process, then the thread ident or the task's id): deadlock
-    detection follows it from a lock's holder to what that holder waits for.
-    A task's id changes with every task, so its record is not cached whole.
+    prefix per process, then the number this process gave the thread or task
+    when it first took a lock): deadlock detection follows it from a lock's
+    holder to what that holder waits for. A task's record is not cached whole.
     """
     task = _running_task()
     if task is not None:
-        return _owner_start(_pid, task.get_name(), label) + f"t{id(task):x}" + '"}'
-    return _owner_json(_pid, threading.current_thread().name, label, threading.get_ident())
+        serial = _task_agents.get(task)
+        if serial is None:
+            serial = _task_agents[task] = next(_serials)
+        return _owner_start(_pid, task.get_name(), label) + f"t{serial:x}" + '"}'
+    return _owner_json(_pid, threading.current_thread().name, label, _thread_serial())
 
 
 class Contention(NamedTuple):

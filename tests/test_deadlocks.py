@@ -34,7 +34,9 @@ from django_redis_mutex import (
 )
 from django_redis_mutex.client import namespace
 from django_redis_mutex.conf import parse_settings
+from django_redis_mutex.holds import owner_metadata
 from django_redis_mutex.keys import LockKeys, waits_key
+from django_redis_mutex.owners import agent_of
 
 from .helpers import wait_until
 from .worker import Worker
@@ -525,3 +527,30 @@ def test_deadlock_timeout_defaults_to_one_second_and_none_turns_detection_off() 
     assert parse_settings("default", {}).deadlock_timeout == 1.0
     assert parse_settings("default", {"DEADLOCK_TIMEOUT": None}).deadlock_timeout is None
     assert parse_settings("default", {"DEADLOCK_TIMEOUT": 2}).deadlock_timeout == 2.0
+
+
+def test_agents_are_never_reused_by_later_threads_or_tasks() -> None:
+    # Thread idents and task ids are reused once their thread or task is
+    # gone; an agent must not be, or a lock still held by a finished one
+    # would read as held by whoever came next.
+    seen: list[tuple[int, str | None]] = []
+
+    def record() -> None:
+        seen.append((threading.get_ident(), agent_of(owner_metadata(None))))
+
+    for _ in range(5):
+        thread = threading.Thread(target=record)
+        thread.start()
+        thread.join()
+
+    async def task_agent() -> str | None:
+        return agent_of(owner_metadata(None))
+
+    async def tasks() -> list[str | None]:
+        return [await asyncio.create_task(task_agent()) for _ in range(5)]
+
+    agents = [agent for _, agent in seen] + asyncio.run(tasks())
+    assert None not in agents
+    assert len(set(agents)) == len(agents) == 10
+    # Within one thread the agent stays the same from lock to lock.
+    assert agent_of(owner_metadata(None)) == agent_of(owner_metadata("other label"))
