@@ -96,6 +96,9 @@ def main(argv: list[str]) -> int:
     record = {
         "measured_at": datetime.now(timezone.utc).isoformat(timespec="seconds"),
         "rounds": args.rounds,
+        # BENCH_MUTEX_STATS=1: the benchmark alias counts contention (STATS),
+        # in every revision that knows the setting.
+        "contention_stats": os.environ.get("BENCH_MUTEX_STATS") == "1",
         "revisions": {side: revisions[side][:12] for side in revisions},
         "uncontended": {side: summary(samples[side]) for side in samples},
     }
