@@ -25,6 +25,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from django.core.exceptions import ImproperlyConfigured
+
 from .driver import Steps, run_steps
 
 __all__ = ["give_back_later"]
@@ -93,6 +95,11 @@ class _GiveBacks:
             return True
         try:
             run_steps(job.steps())
+        except ImproperlyConfigured as exc:
+            # The alias is gone (settings changed): no try will find it again,
+            # and the lock's own lease ends it.
+            logger.warning("Stopped trying to give back %s: %s", job.what, exc)
+            return True
         except Exception as exc:  # Redis still busy or away: try again soon
             logger.info("Could not give back %s yet (will retry): %s", job.what, exc)
             job.due = time.monotonic() + job.delay

@@ -634,3 +634,29 @@ def test_a_client_built_while_caches_change_is_never_kept_for_the_new_settings(
             background.join(10)
             port = clients.get_client("default").connection_pool.connection_kwargs["port"]
     assert port == new_port
+
+
+def test_a_give_back_on_an_alias_no_longer_configured_stops_at_once(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    # Settings changed under a pending give-back: its alias is gone for good,
+    # so retrying until the lease ends would only log the same error again.
+    from django_redis_mutex import giveback, scripts
+    from django_redis_mutex.driver import Script
+    from django_redis_mutex.keys import LockKeys
+
+    def steps() -> Any:
+        keys = LockKeys.for_name("tests", "gone")
+        yield Script("no-such-alias", scripts.RELEASE, keys.script_keys, ["token"])
+
+    caplog.set_level(logging.INFO, logger="django_redis_mutex")
+    giveback.give_back_later("lock 'gone'", steps, lease=30.0)
+    assert wait_until(
+        lambda: any("Stopped trying to give back" in r.getMessage() for r in caplog.records),
+        timeout=10,
+    )
+    messages = [r.getMessage() for r in caplog.records if r.name == "django_redis_mutex"]
+    [told] = [m for m in messages if "lock 'gone'" in m]
+    assert told.startswith(
+        "Stopped trying to give back lock 'gone': Cache alias 'no-such-alias' is not configured"
+    )
