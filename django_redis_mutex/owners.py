@@ -118,16 +118,22 @@ def mark_transaction(owner_json: str, databases: list[str]) -> str:
     return json.dumps(record, separators=(",", ":"))
 
 
-def parse_owner(raw: Any) -> Owner | None:
-    """Return the owner record read from Redis, or None if absent or not a JSON object."""
-    if raw is None:
+def _record(raw: Any) -> dict[str, Any] | None:
+    """Return an owner record read from Redis as a dict, or None if absent or not a JSON object."""
+    if not raw:
         return None
     text = raw.decode("utf-8", "replace") if isinstance(raw, bytes) else str(raw)
     try:
         record = json.loads(text)
     except ValueError:
         return None
-    return Owner.from_record(record) if isinstance(record, dict) else None
+    return record if isinstance(record, dict) else None
+
+
+def parse_owner(raw: Any) -> Owner | None:
+    """Return the owner record read from Redis, or None if absent or not a JSON object."""
+    record = _record(raw)
+    return Owner.from_record(record) if record is not None else None
 
 
 def agent_of(raw: Any) -> str | None:
@@ -136,12 +142,6 @@ def agent_of(raw: Any) -> str | None:
     Records written before agents existed, and records that are not ours, have
     none: their holder is never followed by deadlock detection.
     """
-    if not raw:
-        return None
-    text = raw.decode("utf-8", "replace") if isinstance(raw, bytes) else str(raw)
-    try:
-        record = json.loads(text)
-    except ValueError:
-        return None
-    agent = record.get("agent") if isinstance(record, dict) else None
+    record = _record(raw)
+    agent = record.get("agent") if record is not None else None
     return agent if isinstance(agent, str) and agent else None
