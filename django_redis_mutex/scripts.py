@@ -66,6 +66,7 @@ __all__ = [
     "HANDOFF_LEASE",
     "HELD_ALONE",
     "MARK_TRANSACTION",
+    "MIGRATION_PROBE",
     "RAISE_FENCE",
     "READ_STATE",
     "RELEASE",
@@ -99,6 +100,29 @@ HANDOFF_LEASE = 2 * WAIT_LEASE
 # bounds what a project locking a million names a day keeps in Redis to the
 # names of the last hour, not of the last day.
 FENCE_RETENTION = 3600.0
+
+# The suffix of the key the migration guard looks up: never written by anyone.
+MIGRATION_PROBE = ":never"
+
+# Redis Cluster, while a lock's slot migrates: Redis runs a script there only
+# when every key it declares is still on the node, but a key the script then
+# empties (the last waiter leaving the queue, a released lock) is no longer
+# "local", and touching it again stops the script half-way, after its first
+# writes. The scripts that empty a key and go on call this before their first
+# write: a key of the lock's slot that never exists is looked up, which Redis
+# refuses only while the slot migrates, and the script answers TRYAGAIN
+# (retried by the client, then LockBackendUnavailable) having changed nothing.
+_MIGRATING = (
+    r"""
+local function slot_migrating()
+  local probe = redis.pcall('EXISTS', KEYS[1] .. '"""
+    + MIGRATION_PROBE
+    + r"""')
+  return type(probe) == 'table' and probe.err ~= nil
+end
+local MIGRATING = 'TRYAGAIN the slot of this lock is being migrated'
+"""
+)
 
 _CONSTANTS = (
     f"local WAIT_LEASE = {int(WAIT_LEASE * 1000)}\n"
@@ -298,6 +322,7 @@ end
 # token and owner record (ARGV[1] and ARGV[3]).
 _GRANTING = (
     _CONSTANTS
+    + _MIGRATING
     + _CLOCK
     + _GRANT
     + "local token, owner = ARGV[1], ARGV[3]\n"
@@ -389,6 +414,7 @@ if redis.call('EXISTS', KEYS[1], KEYS[3]) == 0 then
   -- Free and nobody waiting: the common, uncontended case, in one lookup.
   return grant(token, ARGV[2], owner, false)
 end
+if slot_migrating() then return redis.error_reply(MIGRATING) end
 local ttl = tonumber(ARGV[2])
 """
     + _QUEUE
@@ -445,6 +471,7 @@ LIMIT = tonumber(ARGV[5]) or 0
 if redis.call('EXISTS', KEYS[1], KEYS[3]) == 0 then
   return grant_shared(token, ARGV[2], owner)
 end
+if slot_migrating() then return redis.error_reply(MIGRATING) end
 local ttl = tonumber(ARGV[2])
 """
     + _QUEUE
@@ -514,16 +541,22 @@ RELEASE = LuaScript(
     returns="0 when the caller did not hold the lock (nothing is touched), 1 when released"
     " with nobody to hand it to, 2 when handed to the expected waiter and woken, else the"
     " token(s) of the waiter(s) it was handed to, space-separated, to WAKE",
-    source=r"""
+    source=_MIGRATING
+    + r"""
 local found = redis.call('HMGET', KEYS[1], 'token', 'queued', 'limit')
 local shared = nil
 if found[1] ~= ARGV[1] then
   if found[1] then return 0 end
   shared = redis.call('HGET', KEYS[1], 'r:' .. ARGV[1])
   if not shared then return 0 end
-else
+  if slot_migrating() then return redis.error_reply(MIGRATING) end
+elseif not found[2] then
+  -- Nobody waits: the lock is all there is to delete.
   redis.call('DEL', KEYS[1])
-  if not found[2] then return 1 end
+  return 1
+else
+  if slot_migrating() then return redis.error_reply(MIGRATING) end
+  redis.call('DEL', KEYS[1])
 end
 """
     + _CONSTANTS
@@ -593,10 +626,12 @@ CANCEL = LuaScript(
     " already been handed to the caller (it now holds it and must use or release it), else"
     " {0}, or {0, token(s)} of the waiter(s) handed the lock, to WAKE",
     source=_CONSTANTS
+    + _MIGRATING
     + _CLOCK
     + _GRANT
     + _QUEUE
     + r"""
+if slot_migrating() then return redis.error_reply(MIGRATING) end
 local token = ARGV[1]
 LIMIT = tonumber(ARGV[2]) or 0
 forget_waiter(token)
@@ -631,8 +666,10 @@ RESET = LuaScript(
     argv=(),
     returns="{how many held it (an exclusive holder, or each shared holder or permit whose"
     " lease had not ended), '' or the token(s) of the waiter(s) handed the lock, to WAKE}",
-    source=r"""
+    source=_MIGRATING
+    + r"""
 if redis.call('EXISTS', KEYS[1]) == 0 then return {0, ''} end
+if slot_migrating() then return redis.error_reply(MIGRATING) end
 local fields = redis.call('HGETALL', KEYS[1])
 redis.call('DEL', KEYS[1])
 """

@@ -635,6 +635,12 @@ class SectionWorkers:
         for process in self.processes:
             if process.poll() is None:
                 process.kill()
-                process.communicate()
+            # Also the pipes of workers that exited but were never read (a
+            # failure in finish() stops at the first): left open, the next
+            # test would be blamed for their ResourceWarning.
+            for pipe in (process.stdin, process.stdout, process.stderr):
+                if pipe is not None:
+                    pipe.close()
+            process.wait()
         keys = [f"{self.counter}:{name}" for name in self.lock_names]
         self.data.delete(*keys, self.barrier, self.stop_key)
