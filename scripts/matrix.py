@@ -42,14 +42,16 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 VENVS = ROOT / "build" / "matrix"
 
-# The files every leg runs: the engine, async, real processes, the Django
-# surfaces (middleware, locks command, admin), and locks kept for database
-# transactions (they follow Django's atomic blocks). Browser tests stay out.
+# The files every leg runs: the engine, async (beside Django's own async
+# views and settings), the Django surfaces (middleware, locks command,
+# admin), and locks kept for database transactions (they follow Django's
+# atomic blocks). Browser tests stay out, and so do the files whose outcome
+# no Django version changes, such as real processes contending (the main
+# suite and the leg on Django's Redis backend run them).
 TEST_FILES = (
     "tests/test_smoke.py",
     "tests/test_api.py",
     "tests/test_async.py",
-    "tests/test_processes.py",
     "tests/test_middleware.py",
     "tests/test_locks_command.py",
     "tests/test_admin.py",
