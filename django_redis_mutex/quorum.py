@@ -138,7 +138,7 @@ class Quorum(OneRedis):
     def _judge(self, fanned: Fanned, attempt: Attempt) -> Grant | None:
         """Return the grant if a majority granted the lock with validity left, else None."""
         granted: dict[str, int] = {}
-        pttl, owner = 0, None
+        pttl, owner, held = 0, None, -1
         for alias, reply in fanned.replies.items():
             if not isinstance(reply, list):  # the fence alone: granted
                 granted[alias] = int(reply)
@@ -147,6 +147,9 @@ class Quorum(OneRedis):
             else:
                 pttl = max(pttl, int(reply[1]))
                 owner = owner or parse_owner(reply[2] or None)
+                if len(reply) > 4:
+                    # Each master's own clock says how long the holder has had it there.
+                    held = max(held, int(reply[4]))
         # Validity: the lease counted from when the requests were sent, less
         # the time they took and the clock drift allowance.
         valid_until = fanned.sent + self.lock.lease - self.drift
@@ -155,7 +158,7 @@ class Quorum(OneRedis):
                 max(granted.values()),
                 {alias: (fanned.sent, self.lock.lease) for alias in granted},
             )
-        attempt.refused(pttl, owner)
+        attempt.refused(pttl, owner, held)
         return None
 
     def _unless_held_alone(

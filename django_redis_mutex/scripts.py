@@ -254,6 +254,31 @@ local function live_readers(now_ms)
   return live, first
 end
 
+-- For the answer to a caller refused while the lock is held shared: the live
+-- shared holder whose hold says most about when the caller gets in (for a
+-- semaphore the longest held, whose permit is due first; for a shared lock
+-- the latest taken, the last to leave), as its owner JSON and ms held; nil
+-- when no shared holder is live.
+local function holder_in_the_way(now_ms)
+  local fields = redis.call('HGETALL', KEYS[1])
+  local owner, taken = nil, nil
+  for i = 1, #fields, 2 do
+    if string.sub(fields[i], 1, 2) == 'r:' then
+      local record = fields[i + 1]
+      local a = string.find(record, '|', 1, true)
+      local b = string.find(record, '|', a + 1, true)
+      local c = string.find(record, '|', b + 1, true)
+      local since = tonumber(string.sub(record, b + 1, c - 1))
+      if tonumber(string.sub(record, 1, a - 1)) > now_ms and (not taken
+          or (LIMIT > 0 and since < taken) or (LIMIT == 0 and since > taken)) then
+        owner, taken = string.sub(record, c + 1), since
+      end
+    end
+  end
+  if owner then return owner, math.max(0, now_ms - taken) end
+  return nil, -1
+end
+
 -- A waiter's terms, read and forgotten as it leaves the line: (hand-off lease, owner).
 local function leave_line(token)
   local info = redis.call('HGET', KEYS[5], token) or ''
@@ -384,12 +409,15 @@ if ARGV[4] == '1' then
 end
 local owner_seen = seen and seen[2]
 if not seen then owner_seen = redis.call('HGET', KEYS[1], 'owner') end
--- How long the exclusive holder seen has had the lock, for the caller's
--- Retry-After estimate: from 'acquired' (ms), else its fence (the clock in µs).
+-- How long the holder seen has had the lock, for the caller's Retry-After
+-- estimate: an exclusive holder's from 'acquired' (ms), else its fence (the
+-- clock in µs); shared holders' from their records.
 local held = -1
 if seen and seen[4] then
   local taken = tonumber(seen[5]) or math.floor(tonumber(seen[4]) / 1000)
   held = math.max(0, now_ms - taken)
+elseif not owner_seen then
+  owner_seen, held = holder_in_the_way(now_ms)
 end
 return {0, pttl or redis.call('PTTL', KEYS[1]), owner_seen or '', woken, held}
 """
@@ -407,7 +435,9 @@ ACQUIRE = LuaScript(
     returns="the fence when the caller now holds the lock for its ttl and nobody waits;"
     " {1, fence, pttl ms (-1: its ttl), token first in line behind it or ''} when it holds"
     " it; else {0, pttl ms of the holder, holder's owner JSON, '' or the token of a waiter"
-    " just handed the expired lock, to WAKE, ms the holder has held it (-1: not known)}",
+    " just handed the expired lock, to WAKE, ms the holder has held it (-1: not known)};"
+    " while the lock is held shared, the holder is the longest held of a semaphore's and the"
+    " latest taken of a shared lock's",
     source=_GRANTING
     + r"""
 if redis.call('EXISTS', KEYS[1], KEYS[3]) == 0 then
@@ -487,7 +517,11 @@ if mine then
   end
 end
 local woken, pttl = '', nil
-if not redis.call('HGET', KEYS[1], 'token') then
+local found = redis.call('HMGET', KEYS[1], 'token', 'owner', 'queued', 'fence', 'acquired')
+if found[1] then
+  -- Held exclusively: what the refusal tells, and still true when we join the line.
+  seen = found
+else
   local live, first = live_readers(now_ms)
   prune_dead_waiters(now_ms)
   local head = first_in_line()

@@ -22,9 +22,11 @@ from django_redis_mutex import (
     held_locks,
     mutex,
     signals,
+    stats,
 )
 from django_redis_mutex.testing import RedisServer
 
+from .helpers import wait_until
 from .testapp.models import Counter
 from .topologies import redis_servers
 
@@ -92,6 +94,26 @@ def test_second_owner_is_refused_with_retry_after(quorum_caches):
         assert len(results) == 1
         assert results[0].retry_after >= 1
         assert results[0].owner is not None
+
+
+def test_retry_after_counts_the_quorum_holders_time_so_far(quorum_caches):
+    # With contention figures on and no hold of the class known yet, the
+    # estimate is the holder's time so far, from the masters that refused.
+    caches = copy.deepcopy(settings.CACHES)
+    caches["locks"]["MUTEX"]["STATS"] = True
+    with override_settings(CACHES=caches):
+        holder = Mutex("stock:1", using="locks", ttl=30)
+        assert holder.acquire()
+        try:
+            assert wait_until(lambda: holder.time_left() <= 27.5, timeout=10)
+            contender = Mutex("stock:1", using="locks")
+            assert not contender.acquire(blocking=False)
+            held = 30 - holder.time_left()
+            # Not the lease left (about 27 s): the 2.5 s and more held so far.
+            assert 2 <= contender.contended().retry_after <= held + 2
+        finally:
+            holder.release()
+            stats.flush()
 
 
 def test_waiter_gets_the_lock_after_release(quorum_caches):

@@ -128,18 +128,49 @@ def test_retry_after_without_history_is_the_holders_time_so_far(stats_on: None) 
         holder.release()
 
 
-def test_retry_after_is_the_lease_left_when_the_holders_time_is_not_known(
+def test_a_writer_refused_by_shared_holders_is_told_the_latest_ones_time_so_far(
     stats_on: None,
 ) -> None:
-    # Shared holders report no time held: the lease left is all there is.
-    holder = Mutex("read:1", ttl=30, shared=True)
-    assert holder.acquire()
+    # Every shared holder must leave before the writer gets in: the latest
+    # taken says most, and its time so far is the estimate without history.
+    first = Mutex("read:1", ttl=30, shared=True)
+    assert first.acquire()
     try:
-        contender = Mutex("read:1")
-        assert not contender.acquire(blocking=False)
-        assert 28 <= contender.contended().retry_after <= 30
+        assert wait_until(lambda: first.time_left() <= 27.5, timeout=10)
+        latest = Mutex("read:1", ttl=30, shared=True)
+        assert latest.acquire()
+        try:
+            assert wait_until(lambda: latest.time_left() <= 28.5, timeout=10)
+            contender = Mutex("read:1")
+            assert not contender.acquire(blocking=False)
+            refused = contender.contended()
+            held = 30 - latest.time_left()
+            # Not the 30 s lease, nor the first holder's 2.5 s and more.
+            assert 1 <= refused.retry_after <= held + 1 < 30 - first.time_left()
+            assert refused.owner is not None and refused.owner.pid == os.getpid()
+        finally:
+            latest.release()
     finally:
-        holder.release()
+        first.release()
+
+
+def test_a_full_semaphore_tells_the_longest_held_permits_time_so_far(stats_on: None) -> None:
+    # The permit held longest is likely the first to come free.
+    oldest = Semaphore("slots", 2, ttl=30)
+    assert oldest.acquire()
+    try:
+        assert wait_until(lambda: oldest.time_left() <= 27.5, timeout=10)
+        newest = Semaphore("slots", 2, ttl=30)
+        assert newest.acquire()
+        try:
+            refused = Semaphore("slots", 2)
+            assert not refused.acquire(blocking=False)
+            held = 30 - oldest.time_left()
+            assert 2 <= refused.contended().retry_after <= held + 1
+        finally:
+            newest.release()
+    finally:
+        oldest.release()
 
 
 def test_a_semaphore_is_counted_apart_from_a_lock_of_the_same_name(stats_on: None) -> None:
