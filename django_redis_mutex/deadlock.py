@@ -25,6 +25,15 @@ A record counts only while its agent's token is still in that lock's queue
 (a waiter just handed the lock, or gone, is no longer waiting), and a holder
 without an agent (written by an older version) is never followed.
 
+A quorum lock's waiters never queue: they try every master again and again.
+Their records live on one master of the quorum (the first by alias), with the
+time their wait began (``<token>@<µs>|<lock key>``), and count while they
+exist; the walk reads the locks' holders on that master, which knows every
+quorum lock it granted. That master's failure only stops the detection (each
+read is bounded as a quorum master's request is, and a failed one is skipped),
+never the acquisition; a cycle through a lock that master did not grant goes
+unseen until it does.
+
 Every participant of a cycle may find it; exactly one must end its wait. The
 victim is the youngest wait: the latest place in line by the Redis server
 clock (the lock queue's score), ties broken by the token. A waiter looks for
@@ -43,7 +52,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Any, Protocol, TypeVar
+from typing import Any, NamedTuple, Protocol, TypeVar
 
 from .client import namespace
 from .conf import MutexSettings
@@ -54,7 +63,15 @@ from .keys import LockKeys, SharedRecord, waits_key
 from .owners import Owner, agent_of, parse_owner
 from .scripts import WAIT_LEASE
 
-__all__ = ["CHECK_INTERVAL", "MAX_AGENTS", "MAX_DEPTH", "RECORD_TTL", "WatchedHandle", "watched"]
+__all__ = [
+    "CHECK_INTERVAL",
+    "MAX_AGENTS",
+    "MAX_DEPTH",
+    "RECORD_TTL",
+    "Place",
+    "WatchedHandle",
+    "watched",
+]
 
 T = TypeVar("T")
 
@@ -80,6 +97,20 @@ class WatchedHandle(Protocol):
 
     @property
     def _stats_class(self) -> tuple[str, str] | None: ...
+
+
+class Place(NamedTuple):
+    """Where a wait's record and the locks its walk reads live: a Redis and the lock's keys."""
+
+    alias: str
+    keys: LockKeys
+    # True: the wait has a place in the lock's queue, whose score orders it and
+    # which tells whether it still waits. False (a quorum's wait): its record
+    # says when it began and counts while it exists.
+    queued: bool = True
+    # Each read bounded so (a quorum master's deadline), and a failed one
+    # skipped: None for one Redis, whose failure fails the wait anyway.
+    timeout: float | None = None
 
 
 class _Lock:
@@ -215,29 +246,34 @@ class _Graph:
         return None
 
 
-def watched(steps: Steps[T], lock: WatchedHandle, attempt: Attempt) -> Steps[T]:
-    """Return the steps of a wait in line, looking for a deadlock when they block past the timeout.
+def watched(
+    steps: Steps[T], lock: WatchedHandle, attempt: Attempt, place: Place | None = None
+) -> Steps[T]:
+    """Return the steps of a wait, looking for a deadlock when they block past the timeout.
 
-    One Redis's wait in line calls this (a quorum's waiters never queue).
-    Steps that cannot deadlock are returned as they are: a timeout no longer
-    than DEADLOCK_TIMEOUT, or detection turned off.
+    ``place``: where the wait's record and the locks live (the lock's own
+    Redis and keys, queued, by default). Steps that cannot deadlock are
+    returned as they are: a timeout no longer than DEADLOCK_TIMEOUT, or
+    detection turned off.
     """
     timeout = lock.settings.deadlock_timeout
     if timeout is None or (
         attempt.deadline is not None and attempt.deadline - attempt.started <= timeout
     ):
         return steps
-    return _watching(steps, lock, attempt, attempt.started + timeout)
+    place = place or Place(lock.using, lock.keys)
+    return _watching(steps, lock, attempt, place, attempt.started + timeout)
 
 
-def _watching(steps: Steps[T], lock: WatchedHandle, attempt: Attempt, check_at: float) -> Steps[T]:
+def _watching(
+    steps: Steps[T], lock: WatchedHandle, attempt: Attempt, place: Place, check_at: float
+) -> Steps[T]:
     """Pass ``steps`` through; before each blocking step after ``check_at``, look for a cycle.
 
     The wait's record is deleted when the steps end (granted, or timed out);
     a wait ended by an error or a cancel leaves it to expire, and it no
     longer counts as soon as the token has left the queue.
     """
-    alias = lock.using
     watch: _Watch | None = None
     try:
         op = next(steps)
@@ -246,7 +282,7 @@ def _watching(steps: Steps[T], lock: WatchedHandle, attempt: Attempt, check_at: 
                 now = time.monotonic()
                 if now >= check_at:
                     if watch is None:
-                        watch = _Watch(alias, lock, attempt)
+                        watch = _Watch(place, attempt)
                     found = yield from watch.check()
                     if found is not None:
                         yield from watch.forget()
@@ -284,14 +320,24 @@ def _deadlock(lock: WatchedHandle, attempt: Attempt, found: list[tuple[str, str]
 class _Watch:
     """One acquisition's deadlock checks: its record, and the walk from the lock it waits for."""
 
-    def __init__(self, alias: str, lock: WatchedHandle, attempt: Attempt) -> None:
-        self.alias = alias
-        self.namespace = namespace(alias)
+    def __init__(self, place: Place, attempt: Attempt) -> None:
+        self.place = place
+        self.alias = place.alias
+        self.namespace = namespace(place.alias)
         self.agent = agent_of(attempt.owner_json) or ""
-        self.keys: LockKeys = lock.keys
+        self.keys: LockKeys = place.keys
         self.token = attempt.token
         self.record = waits_key(self.namespace, self.agent)
         self.written = False
+        # When a wait that has no place in line began, by this host's clock (µs).
+        self.since = int((time.time() - (time.monotonic() - attempt.started)) * 1_000_000)
+
+    def _ask(self, *commands: tuple[Any, ...], best_effort: bool = False) -> Commands:
+        """Return ``commands`` as this place sends them (a quorum master's: bounded, skippable)."""
+        place = self.place
+        return Commands(
+            self.alias, commands, best_effort or place.timeout is not None, place.timeout
+        )
 
     def check(self) -> Steps[list[tuple[str, str]] | None]:
         """Write this wait's record, then walk; return the cycle if this wait is its victim."""
@@ -299,19 +345,27 @@ class _Watch:
             return None
         self.written = True
         ttl = int(RECORD_TTL * 1000)
-        replies = yield Commands(
-            self.alias,
-            (
-                ("SET", self.record, f"{self.token}|{self.keys.lock}", "PX", ttl),
-                ("ZSCORE", self.keys.queue, self.token),
-                ("HGETALL", self.keys.lock),
-            ),
-        )
-        if replies[1] is None:  # not in line: handed the lock, or the place lapsed
-            return None
+        lock_key = self.keys.lock
         graph = _Graph(self.agent)
-        graph.waits[self.agent] = _Wait(self.keys.lock, self.token, float(replies[1]))
-        graph.locks[self.keys.lock] = self._lock(self.keys.lock, replies[2])
+        if self.place.queued:
+            replies = yield self._ask(
+                ("SET", self.record, f"{self.token}|{lock_key}", "PX", ttl),
+                ("ZSCORE", self.keys.queue, self.token),
+                ("HGETALL", lock_key),
+            )
+            if replies is None or replies[1] is None:
+                return None  # not in line: handed the lock, or the place lapsed
+            since, fields = float(replies[1]), replies[2]
+        else:
+            replies = yield self._ask(
+                ("SET", self.record, f"{self.token}@{self.since}|{lock_key}", "PX", ttl),
+                ("HGETALL", lock_key),
+            )
+            if replies is None:
+                return None
+            since, fields = float(self.since), replies[1]
+        graph.waits[self.agent] = _Wait(lock_key, self.token, since)
+        graph.locks[lock_key] = self._lock(lock_key, fields)
         yield from self._walk(graph)
         return graph.cycle()
 
@@ -327,25 +381,32 @@ class _Watch:
         for _level in range(MAX_DEPTH):
             if not frontier or len(seen) > MAX_AGENTS:
                 return
-            records = yield Commands(
-                self.alias,
-                tuple(("GET", waits_key(self.namespace, agent)) for agent in frontier),
+            records = yield self._ask(
+                *(("GET", waits_key(self.namespace, agent)) for agent in frontier)
             )
-            waiting: list[tuple[str, str, str]] = []
+            if records is None:
+                return
+            waiting: list[tuple[str, str, str, str]] = []
             for agent, record in zip(frontier, records, strict=True):
                 token, _, lock_key = decode(record).partition("|")
+                token, _, began = token.partition("@")  # a wait with no place in line
                 if token and lock_key.startswith(self.namespace + ":"):
-                    waiting.append((agent, token, lock_key))
+                    waiting.append((agent, token, began, lock_key))
             if not waiting:
                 return
             commands: list[tuple[Any, ...]] = []
-            for _agent, token, lock_key in waiting:
-                commands.append(("ZSCORE", LockKeys.for_lock_key(lock_key).queue, token))
+            for _agent, token, began, lock_key in waiting:
+                if not began:
+                    commands.append(("ZSCORE", LockKeys.for_lock_key(lock_key).queue, token))
                 commands.append(("HGETALL", lock_key))
-            replies = yield Commands(self.alias, tuple(commands))
+            replies = yield self._ask(*commands)
+            if replies is None:
+                return
+            answers = iter(replies)
             frontier = []
-            for index, (agent, token, lock_key) in enumerate(waiting):
-                since, fields = replies[2 * index], replies[2 * index + 1]
+            for agent, token, began, lock_key in waiting:
+                since = began or next(answers)
+                fields = next(answers)
                 if since is None:
                     continue  # no longer in that line
                 wait = _Wait(lock_key, token, float(since))
@@ -377,4 +438,4 @@ class _Watch:
         """Delete this wait's record (best effort: it expires anyway)."""
         if self.written:
             self.written = False
-            yield Commands(self.alias, (("DEL", self.record),), best_effort=True)
+            yield self._ask(("DEL", self.record), best_effort=True)

@@ -125,12 +125,15 @@ class Commands(NamedTuple):
     script because nothing has to happen at one instant (deadlock detection's
     waits-for records and its walk over the locks), and whose keys may lie in
     different cluster slots. A ``best_effort`` batch that fails is logged and
-    answered with None, as a best-effort :class:`Script` is.
+    answered with None, as a best-effort :class:`Script` is. A ``timeout``
+    bounds the round trip as a quorum master's is (see :class:`Each`): a
+    master that hangs must not hold up the lock's other masters.
     """
 
     alias: str
     commands: tuple[tuple[Any, ...], ...]
     best_effort: bool = False
+    timeout: float | None = None
 
 
 class Sleep(NamedTuple):
@@ -210,7 +213,12 @@ def _gave_up(op: Script | Commands, exc: BaseException) -> None:
 
 def _commands(op: Commands) -> list[Any] | None:
     try:
-        pipe = get_client(op.alias).pipeline(transaction=False)
+        client = (
+            get_client(op.alias)
+            if op.timeout is None
+            else (get_member_client(op.alias, op.timeout))
+        )
+        pipe = client.pipeline(transaction=False)
         for command in op.commands:
             pipe.execute_command(*command)
         return list(pipe.execute())
@@ -439,7 +447,13 @@ class AsyncDriver:
 
 async def _acommands(op: Commands) -> list[Any] | None:
     try:
-        pipe = (await get_async_client(op.alias)).pipeline(transaction=False)
+        if op.timeout is None:
+            client = await get_async_client(op.alias)
+        else:
+            client = await get_async_client(
+                op.alias, read_timeout=op.timeout, connect_timeout=op.timeout
+            )
+        pipe = client.pipeline(transaction=False)
         for command in op.commands:
             pipe.execute_command(*command)
         return list(await pipe.execute())

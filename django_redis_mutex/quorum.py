@@ -42,7 +42,7 @@ from typing import Any, Literal, NamedTuple
 
 from django.core.exceptions import ImproperlyConfigured
 
-from . import scripts
+from . import deadlock, scripts
 from .conf import get_settings, resolve_using
 from .driver import Each, Fanned, Sleep, Steps
 from .exceptions import LockBackendUnavailable
@@ -196,6 +196,17 @@ class Quorum(OneRedis):
         return delay
 
     def acquire_steps(self, attempt: Attempt) -> Steps[Grant | None]:
+        """Try every master until a majority grants the lock, looking for deadlocks meanwhile.
+
+        The waits-for records live on the first master by alias (see deadlock.py).
+        """
+        first = min(self.aliases)
+        place = deadlock.Place(
+            first, self.member_keys[first], queued=False, timeout=self.master_timeout
+        )
+        return deadlock.watched(self._trying_steps(attempt), self.lock, attempt, place)
+
+    def _trying_steps(self, attempt: Attempt) -> Steps[Grant | None]:
         # Quorum waiters never queue, so a release never hands over to one; a
         # plain lock of the same name queued on one master is woken by its own
         # check-in.

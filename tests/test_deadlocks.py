@@ -37,8 +37,10 @@ from django_redis_mutex.conf import parse_settings
 from django_redis_mutex.holds import owner_metadata
 from django_redis_mutex.keys import LockKeys, waits_key
 from django_redis_mutex.owners import agent_of
+from django_redis_mutex.testing import RedisServer
 
 from .helpers import wait_until
+from .topologies import redis_servers
 from .worker import Worker
 
 # Generous bounds: these tests run on a busy 2-core machine.
@@ -205,23 +207,31 @@ def quick_detection(settings: Any) -> None:
     settings.CACHES = caches
 
 
-def handle(spec: str, timeout: float = 30) -> Any:
+def handle(spec: str, timeout: float = 30, using: str = "default") -> Any:
     """Return the context of a lock spec, as the worker builds it."""
     name, _, kind = spec.partition(":")
     if kind.startswith("semaphore:"):
         limit, _, strict = kind.removeprefix("semaphore:").partition(":")
-        return semaphore(name, int(limit), timeout=timeout, reentrant=not strict)
-    return mutex(name, timeout=timeout, shared=kind == "shared")
+        return semaphore(name, int(limit), timeout=timeout, reentrant=not strict, using=using)
+    return mutex(name, timeout=timeout, shared=kind == "shared", using=using)
 
 
 class Member(threading.Thread):
     """A participant in a thread (or in an event loop of its own): holds, waits when told."""
 
     def __init__(
-        self, who: str, held: str, wanted: str, *, in_loop: bool = False, timeout: float = 30
+        self,
+        who: str,
+        held: str,
+        wanted: str,
+        *,
+        in_loop: bool = False,
+        timeout: float = 30,
+        using: str = "default",
     ) -> None:
         super().__init__(name=who)
         self.held, self.wanted, self.in_loop, self.timeout = held, wanted, in_loop, timeout
+        self.using = using
         self.holding, self.go = threading.Event(), threading.Event()
         self.outcome = ""
         self.error: BaseException | None = None
@@ -236,11 +246,11 @@ class Member(threading.Thread):
             self.error = error
 
     def _run(self) -> None:
-        with handle(self.held):
+        with handle(self.held, using=self.using):
             self.holding.set()
             assert self.go.wait(30)
             try:
-                with handle(self.wanted, self.timeout):
+                with handle(self.wanted, self.timeout, self.using):
                     self.outcome = "acquired"
             except LockDeadlock as error:
                 self.outcome, self.error = "deadlock", error
@@ -248,11 +258,11 @@ class Member(threading.Thread):
                 self.outcome = "timed out"
 
     async def _arun(self) -> None:
-        async with handle(self.held):
+        async with handle(self.held, using=self.using):
             self.holding.set()
             assert await asyncio.to_thread(self.go.wait, 30)
             try:
-                async with handle(self.wanted, self.timeout):
+                async with handle(self.wanted, self.timeout, self.using):
                     self.outcome = "acquired"
             except LockDeadlock as error:
                 self.outcome, self.error = "deadlock", error
@@ -304,14 +314,16 @@ def members(raw: redis.Redis, quick_detection: None) -> Iterator[Members]:
         member.join(30)
 
 
-def checked_twice(raw: redis.Redis, waiters: int) -> None:
+def checked_twice(
+    raw: redis.Redis, waiters: int, find: Callable[[], list[bytes]] | None = None
+) -> None:
     """Return once ``waiters`` waits each wrote their waits-for record and refreshed it.
 
     A refresh (a second check) shows as the record's expiry moving later.
+    ``find`` lists the records on ``raw`` (this test's namespace by default).
     """
-    records = wait_until(
-        lambda: len(found := waits_records(raw)) == waiters and found, 10, "the waits records"
-    )
+    find = find or (lambda: waits_records(raw))
+    records = wait_until(lambda: len(found := find()) == waiters and found, 10, "the waits records")
     last = {key: raw.pttl(key) for key in records}
     refreshed: set[bytes] = set()
 
@@ -554,3 +566,141 @@ def test_agents_are_never_reused_by_later_threads_or_tasks() -> None:
     assert len(set(agents)) == len(agents) == 10
     # Within one thread the agent stays the same from lock to lock.
     assert agent_of(owner_metadata(None)) == agent_of(owner_metadata("other label"))
+
+
+# -- a quorum lock: its waiters never queue --------------------------------------------------
+
+QUORUM = ["dq1", "dq2", "dq3"]
+
+
+@pytest.fixture(scope="module")
+def quorum_masters() -> Iterator[list[RedisServer]]:
+    with redis_servers(len(QUORUM)) as servers:
+        yield servers
+
+
+@pytest.fixture
+def on_quorum(quorum_masters: list[RedisServer], mutex_prefix: str, settings: Any) -> Iterator[Any]:
+    """The quorum alias ``quorum`` (detection after 0.2 s); return a reader of its waits records.
+
+    The records live on the quorum's first master by alias.
+    """
+    caches = copy.deepcopy(settings.CACHES)
+    mutex_block = {"PREFIX": mutex_prefix, "DEADLOCK_TIMEOUT": 0.2, "QUORUM_TIMEOUT": 0.2}
+    for alias, server in zip(QUORUM, quorum_masters, strict=True):
+        caches[alias] = {
+            "BACKEND": "django_redis.cache.RedisCache",
+            "LOCATION": server.url,
+            "OPTIONS": {"SOCKET_CONNECT_TIMEOUT": 0.5, "SOCKET_TIMEOUT": 1},
+            "MUTEX": dict(mutex_block),
+        }
+    caches["quorum"] = {**caches[QUORUM[0]], "MUTEX": {**mutex_block, "QUORUM": QUORUM}}
+    settings.CACHES = caches
+    first = redis.Redis.from_url(quorum_masters[0].url)
+
+    class Records:
+        """The waits records on the first master (``first``: a client of it)."""
+
+        def __init__(self) -> None:
+            self.first = first
+
+        def __call__(self) -> list[bytes]:
+            return list(first.scan_iter(match=waits_key(namespace(QUORUM[0]), "*")))
+
+    yield Records()
+    first.close()
+    for server in quorum_masters:
+        if server.process is None:
+            server.start()
+
+
+class QuorumMembers(Members):
+    """Members on the quorum alias: a wait shows as its record on the first master."""
+
+    def __init__(self, raw: redis.Redis, records: Callable[[], list[bytes]]) -> None:
+        super().__init__(raw)
+        self.records = records
+
+    def add(self, who: str, held: str, wanted: str, **options: Any) -> Member:
+        return super().add(who, held, wanted, using="quorum", **options)
+
+    def wait(self, who: str) -> None:
+        """Let ``who`` wait; return once its record shows (or its wait already ended)."""
+        member, before = self.members[who], len(self.records())
+        member.go.set()
+        wait_until(
+            lambda: len(self.records()) > before or member.outcome,
+            10,
+            f"{who}'s waits record",
+        )
+
+
+@pytest.fixture
+def quorum_members(
+    raw: redis.Redis, on_quorum: Callable[[], list[bytes]]
+) -> Iterator[QuorumMembers]:
+    threads = QuorumMembers(raw, on_quorum)
+    yield threads
+    for member in threads.members.values():
+        member.go.set()
+        member.join(30)
+
+
+@pytest.mark.parametrize("in_loop", [False, True], ids=["thread", "asyncio"])
+def test_a_cycle_of_quorum_locks_ends_the_younger_wait_only(
+    quorum_members: QuorumMembers, in_loop: bool
+) -> None:
+    quorum_members.add("first", "qd-a", "qd-b")
+    quorum_members.add("second", "qd-b", "qd-a", in_loop=in_loop)
+    quorum_members.wait("first")
+    quorum_members.wait("second")
+
+    assert quorum_members.outcomes() == {"first": "acquired", "second": "deadlock"}
+    cycle = quorum_members.deadlock("second").cycle
+    # From the lock the victim waits for, held by the other, back to its own.
+    assert len(cycle) == 2
+    assert cycle[0].startswith("'qd-a' held by") and "thread first" in cycle[0]
+    assert cycle[1].startswith("'qd-b' held by") and cycle[1].endswith("(this owner)")
+
+
+def test_a_chain_of_quorum_waits_that_is_no_cycle_raises_nothing(
+    quorum_members: QuorumMembers, on_quorum: Any
+) -> None:
+    quorum_members.add("first", "qd-a", "qd-b")
+    quorum_members.add("second", "qd-b", "qd-c")
+    last = quorum_members.add("last", "qd-c", "qd-free")
+    quorum_members.wait("first")
+    quorum_members.wait("second")
+    checked_twice(on_quorum.first, 2, on_quorum)  # both waits looked, again
+
+    last.go.set()
+    assert quorum_members.outcomes() == {
+        "first": "acquired",
+        "second": "acquired",
+        "last": "acquired",
+    }
+
+
+def test_a_quorum_wait_gets_its_lock_while_the_first_master_is_down(
+    quorum_masters: list[RedisServer], on_quorum: Any, caplog: pytest.LogCaptureFixture
+) -> None:
+    # The detection's master is down: its checks fail, the wait goes on.
+    holder = Mutex("qd-held", using="quorum", ttl=30)
+    assert holder.acquire()
+    quorum_masters[0].stop()
+    got = threading.Event()
+
+    def wait_for_it() -> None:
+        with handle("qd-held", 30, "quorum"):
+            got.set()
+
+    waiter = threading.Thread(target=wait_for_it)
+    try:
+        waiter.start()
+        wait_until(lambda: "Could not run commands on 'dq1'" in caplog.text, 10, "a failed check")
+        assert not got.is_set()
+        holder.release()
+        waiter.join(30)
+        assert got.is_set()
+    finally:
+        quorum_masters[0].start()
