@@ -37,10 +37,10 @@ from django_redis_mutex.conf import parse_settings
 from django_redis_mutex.holds import owner_metadata
 from django_redis_mutex.keys import LockKeys, waits_key
 from django_redis_mutex.owners import agent_of
-from django_redis_mutex.testing import RedisServer
+from django_redis_mutex.testing import RedisClusterServers, RedisServer
 
 from .helpers import wait_until
-from .topologies import redis_servers
+from .topologies import cluster_entry, extra_caches, redis_servers
 from .worker import Worker
 
 # Generous bounds: these tests run on a busy 2-core machine.
@@ -614,15 +614,15 @@ def on_quorum(quorum_masters: list[RedisServer], mutex_prefix: str, settings: An
             server.start()
 
 
-class QuorumMembers(Members):
-    """Members on the quorum alias: a wait shows as its record on the first master."""
+class AliasMembers(Members):
+    """Members on another alias: a wait shows as a new waits record (``records`` lists them)."""
 
-    def __init__(self, raw: redis.Redis, records: Callable[[], list[bytes]]) -> None:
+    def __init__(self, raw: redis.Redis, using: str, records: Callable[[], list[bytes]]) -> None:
         super().__init__(raw)
-        self.records = records
+        self.using, self.records = using, records
 
     def add(self, who: str, held: str, wanted: str, **options: Any) -> Member:
-        return super().add(who, held, wanted, using="quorum", **options)
+        return super().add(who, held, wanted, using=self.using, **options)
 
     def wait(self, who: str) -> None:
         """Let ``who`` wait; return once its record shows (or its wait already ended)."""
@@ -638,8 +638,8 @@ class QuorumMembers(Members):
 @pytest.fixture
 def quorum_members(
     raw: redis.Redis, on_quorum: Callable[[], list[bytes]]
-) -> Iterator[QuorumMembers]:
-    threads = QuorumMembers(raw, on_quorum)
+) -> Iterator[AliasMembers]:
+    threads = AliasMembers(raw, "quorum", on_quorum)
     yield threads
     for member in threads.members.values():
         member.go.set()
@@ -648,7 +648,7 @@ def quorum_members(
 
 @pytest.mark.parametrize("in_loop", [False, True], ids=["thread", "asyncio"])
 def test_a_cycle_of_quorum_locks_ends_the_younger_wait_only(
-    quorum_members: QuorumMembers, in_loop: bool
+    quorum_members: AliasMembers, in_loop: bool
 ) -> None:
     quorum_members.add("first", "qd-a", "qd-b")
     quorum_members.add("second", "qd-b", "qd-a", in_loop=in_loop)
@@ -664,7 +664,7 @@ def test_a_cycle_of_quorum_locks_ends_the_younger_wait_only(
 
 
 def test_a_chain_of_quorum_waits_that_is_no_cycle_raises_nothing(
-    quorum_members: QuorumMembers, on_quorum: Any
+    quorum_members: AliasMembers, on_quorum: Any
 ) -> None:
     quorum_members.add("first", "qd-a", "qd-b")
     quorum_members.add("second", "qd-b", "qd-c")
@@ -704,3 +704,58 @@ def test_a_quorum_wait_gets_its_lock_while_the_first_master_is_down(
         assert got.is_set()
     finally:
         quorum_masters[0].start()
+
+
+# -- a Redis Cluster: the records and the locks of a cycle lie in different slots -------------
+
+
+@pytest.fixture(scope="module")
+def deadlock_cluster() -> Iterator[RedisClusterServers]:
+    with RedisClusterServers(primaries=3) as running:
+        yield running
+
+
+@pytest.fixture
+def cluster_members(
+    raw: redis.Redis, deadlock_cluster: RedisClusterServers, mutex_prefix: str
+) -> Iterator[AliasMembers]:
+    entry = cluster_entry(deadlock_cluster, mutex_prefix, DEADLOCK_TIMEOUT=0.2)
+    client = redis.RedisCluster.from_url(deadlock_cluster.url)
+    with extra_caches({"cluster": entry}):
+
+        def records() -> list[bytes]:
+            return list(client.scan_iter(match=waits_key(namespace("cluster"), "*")))
+
+        threads = AliasMembers(raw, "cluster", records)
+        threads.client = client
+        yield threads
+        for member in threads.members.values():
+            member.go.set()
+            member.join(30)
+    client.close()
+
+
+def test_a_cycle_across_cluster_slots_ends_the_youngest_wait_only(
+    cluster_members: AliasMembers,
+) -> None:
+    # Three locks, three agents' records: each in the slot of its own hash tag.
+    primaries = {
+        cluster_members.client.keyslot(Mutex(name, using="cluster").keys.lock)
+        for name in ("cd-a", "cd-b", "cd-c")
+    }
+    assert (
+        len({cluster_members.client.nodes_manager.get_node_from_slot(s).port for s in primaries})
+        > 1
+    )
+    cluster_members.add("first", "cd-a", "cd-b")
+    cluster_members.add("second", "cd-b", "cd-c")
+    cluster_members.add("third", "cd-c", "cd-a")
+    for who in ("first", "second", "third"):
+        cluster_members.wait(who)
+
+    assert cluster_members.outcomes() == {
+        "first": "acquired",
+        "second": "acquired",
+        "third": "deadlock",
+    }
+    assert len(cluster_members.deadlock("third").cycle) == 3
