@@ -21,7 +21,14 @@ from collections.abc import Callable, Iterator
 import pytest
 import redis
 
-from django_redis_mutex import LockBackendUnavailable, LockNotOwned, Mutex, held_locks, mutex
+from django_redis_mutex import (
+    LockBackendUnavailable,
+    LockDeadlock,
+    LockNotOwned,
+    Mutex,
+    held_locks,
+    mutex,
+)
 from django_redis_mutex.testing import RedisServer
 
 from .helpers import await_until, wait_until
@@ -130,6 +137,43 @@ def test_async_sentinel_lock_excludes_and_hands_over(steady: SentinelGroup) -> N
     assert on_master
     assert refused
     assert handed_fence > first_fence
+
+
+def test_a_cycle_of_waits_through_sentinel_ends_the_younger_wait_only(
+    steady_group: SentinelGroup, mutex_prefix: str
+) -> None:
+    entry = steady_group.cache_entry(mutex_prefix)
+    entry["MUTEX"]["DEADLOCK_TIMEOUT"] = 0.2
+    outcomes: dict[str, str] = {}
+    holding = {who: threading.Event() for who in ("first", "second")}
+    go = {who: threading.Event() for who in ("first", "second")}
+
+    def member(who: str, held: str, wanted: str) -> None:
+        with mutex(held, using=ALIAS):
+            holding[who].set()
+            assert go[who].wait(30)
+            try:
+                with mutex(wanted, using=ALIAS, timeout=30):
+                    outcomes[who] = "acquired"
+            except LockDeadlock:
+                outcomes[who] = "deadlock"
+
+    with extra_caches({ALIAS: entry}):
+        threads = [
+            threading.Thread(target=member, args=("first", "sd-a", "sd-b")),
+            threading.Thread(target=member, args=("second", "sd-b", "sd-a")),
+        ]
+        for thread in threads:
+            thread.start()
+        assert all(event.wait(10) for event in holding.values())
+        go["first"].set()
+        queue = Mutex("sd-b", using=ALIAS).keys.queue
+        wait_until(lambda: queued_on(steady_group.master.port, queue), 10, "first in line")
+        go["second"].set()  # the younger wait
+        for thread in threads:
+            thread.join(30)
+
+    assert outcomes == {"first": "acquired", "second": "deadlock"}
 
 
 @pytest.mark.slow
