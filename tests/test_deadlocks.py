@@ -40,7 +40,7 @@ from django_redis_mutex.owners import agent_of
 from django_redis_mutex.testing import RedisClusterServers, RedisServer
 
 from .helpers import wait_until
-from .topologies import cluster_entry, extra_caches, redis_servers
+from .topologies import cluster_entry, extra_caches, master_entries, redis_servers
 from .worker import Worker
 
 # Generous bounds: these tests run on a busy 2-core machine.
@@ -304,14 +304,18 @@ class Members:
         assert isinstance(error, LockDeadlock)
         return error
 
+    def close(self) -> None:
+        """Let every thread go on and end (after a failed test too)."""
+        for member in self.members.values():
+            member.go.set()
+            member.join(30)
+
 
 @pytest.fixture
 def members(raw: redis.Redis, quick_detection: None) -> Iterator[Members]:
     threads = Members(raw)
     yield threads
-    for member in threads.members.values():
-        member.go.set()
-        member.join(30)
+    threads.close()
 
 
 def checked_twice(
@@ -585,16 +589,15 @@ def on_quorum(quorum_masters: list[RedisServer], mutex_prefix: str, settings: An
 
     The records live on the quorum's first master by alias.
     """
-    caches = copy.deepcopy(settings.CACHES)
-    mutex_block = {"PREFIX": mutex_prefix, "DEADLOCK_TIMEOUT": 0.2, "QUORUM_TIMEOUT": 0.2}
-    for alias, server in zip(QUORUM, quorum_masters, strict=True):
-        caches[alias] = {
-            "BACKEND": "django_redis.cache.RedisCache",
-            "LOCATION": server.url,
-            "OPTIONS": {"SOCKET_CONNECT_TIMEOUT": 0.5, "SOCKET_TIMEOUT": 1},
-            "MUTEX": dict(mutex_block),
-        }
-    caches["quorum"] = {**caches[QUORUM[0]], "MUTEX": {**mutex_block, "QUORUM": QUORUM}}
+    quick = {"DEADLOCK_TIMEOUT": 0.2, "QUORUM_TIMEOUT": 0.2}
+    caches = {
+        **copy.deepcopy(settings.CACHES),
+        **master_entries(quorum_masters, QUORUM, mutex_prefix, **quick),
+    }
+    caches["quorum"] = {
+        **caches[QUORUM[0]],
+        "MUTEX": {"PREFIX": mutex_prefix, "QUORUM": QUORUM, **quick},
+    }
     settings.CACHES = caches
     first = redis.Redis.from_url(quorum_masters[0].url)
 
@@ -641,9 +644,7 @@ def quorum_members(
 ) -> Iterator[AliasMembers]:
     threads = AliasMembers(raw, "quorum", on_quorum)
     yield threads
-    for member in threads.members.values():
-        member.go.set()
-        member.join(30)
+    threads.close()
 
 
 @pytest.mark.parametrize("in_loop", [False, True], ids=["thread", "asyncio"])
@@ -729,9 +730,7 @@ def cluster_members(
         threads = AliasMembers(raw, "cluster", records)
         threads.client = client
         yield threads
-        for member in threads.members.values():
-            member.go.set()
-            member.join(30)
+        threads.close()
     client.close()
 
 
