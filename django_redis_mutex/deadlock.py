@@ -108,8 +108,8 @@ class Place(NamedTuple):
     # which tells whether it still waits. False (a quorum's wait): its record
     # says when it began and counts while it exists.
     queued: bool = True
-    # Each read bounded so (a quorum master's deadline), and a failed one
-    # skipped: None for one Redis, whose failure fails the wait anyway.
+    # Each read bounded so (a quorum master's deadline); None: the alias's own
+    # socket timeout.
     timeout: float | None = None
 
 
@@ -332,12 +332,14 @@ class _Watch:
         # When a wait that has no place in line began, by this host's clock (µs).
         self.since = int((time.time() - (time.monotonic() - attempt.started)) * 1_000_000)
 
-    def _ask(self, *commands: tuple[Any, ...], best_effort: bool = False) -> Commands:
-        """Return ``commands`` as this place sends them (a quorum master's: bounded, skippable)."""
-        place = self.place
-        return Commands(
-            self.alias, commands, best_effort or place.timeout is not None, place.timeout
-        )
+    def _ask(self, *commands: tuple[Any, ...]) -> Commands:
+        """Return ``commands`` as this place sends them: bounded as it says, and skippable.
+
+        A read that fails skips this check (logged), never the wait: the
+        detector must not fail an acquisition the lock itself would grant, and
+        a Redis that stays down fails the wait's own next check-in anyway.
+        """
+        return Commands(self.alias, commands, best_effort=True, timeout=self.place.timeout)
 
     def check(self) -> Steps[list[tuple[str, str]] | None]:
         """Write this wait's record, then walk; return the cycle if this wait is its victim."""
@@ -438,4 +440,4 @@ class _Watch:
         """Delete this wait's record (best effort: it expires anyway)."""
         if self.written:
             self.written = False
-            yield self._ask(("DEL", self.record), best_effort=True)
+            yield self._ask(("DEL", self.record))
