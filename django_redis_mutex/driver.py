@@ -213,11 +213,10 @@ def _gave_up(op: Script | Commands, exc: BaseException) -> None:
 
 def _commands(op: Commands) -> list[Any] | None:
     try:
-        client = (
-            get_client(op.alias)
-            if op.timeout is None
-            else (get_member_client(op.alias, op.timeout))
-        )
+        if op.timeout is None:
+            client = get_client(op.alias)
+        else:
+            client = get_member_client(op.alias, op.timeout)
         pipe = client.pipeline(transaction=False)
         for command in op.commands:
             pipe.execute_command(*command)

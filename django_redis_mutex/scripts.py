@@ -112,17 +112,13 @@ MIGRATION_PROBE = ":never"
 # write: a key of the lock's slot that never exists is looked up, which Redis
 # refuses only while the slot migrates, and the script answers TRYAGAIN
 # (retried by the client, then LockBackendUnavailable) having changed nothing.
-_MIGRATING = (
-    r"""
+_MIGRATING = rf"""
 local function slot_migrating()
-  local probe = redis.pcall('EXISTS', KEYS[1] .. '"""
-    + MIGRATION_PROBE
-    + r"""')
+  local probe = redis.pcall('EXISTS', KEYS[1] .. '{MIGRATION_PROBE}')
   return type(probe) == 'table' and probe.err ~= nil
 end
 local MIGRATING = 'TRYAGAIN the slot of this lock is being migrated'
 """
-)
 
 _CONSTANTS = (
     f"local WAIT_LEASE = {int(WAIT_LEASE * 1000)}\n"
