@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import copy
+import json
 import os
 import signal
 import threading
@@ -645,6 +646,29 @@ def quorum_members(
     threads = AliasMembers(raw, "quorum", on_quorum)
     yield threads
     threads.close()
+
+
+def test_two_processes_in_a_cycle_of_quorum_locks_end_the_younger_wait_only(
+    spawn: Callable[..., Worker], raw: redis.Redis, go_key: Any, on_quorum: Any, settings: Any
+) -> None:
+    caches = json.dumps({alias: settings.CACHES[alias] for alias in [*QUORUM, "quorum"]})
+    options = ("0.2", "30", "sync", caches, "quorum")
+    older = spawn("deadlock.py", "qp-a", "qp-b", go_key("older"), *options)
+    younger = spawn("deadlock.py", "qp-b", "qp-a", go_key("younger"), *options)
+    for worker in (older, younger):
+        worker.expect("holding", timeout=START_TIMEOUT)
+    raw.rpush(go_key("older"), "go")
+    wait_until(lambda: len(on_quorum()) == 1, 10, "the older wait's record")
+    raw.rpush(go_key("younger"), "go")
+
+    for worker in (older, younger):
+        worker.expect("done", timeout=60)
+        assert worker.finish() == 0
+    assert reported(older, "acquired") and not reported(older, "deadlock")
+    (deadlock,) = reported(younger, "deadlock")
+    assert deadlock["waited"] < DETECTED_WITHIN
+    assert deadlock["cycle"][0].startswith("'qp-a' held by")
+    assert wait_until(lambda: on_quorum() == [], 5, "the records deleted")
 
 
 @pytest.mark.parametrize("in_loop", [False, True], ids=["thread", "asyncio"])
