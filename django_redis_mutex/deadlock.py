@@ -322,7 +322,6 @@ class _Watch:
 
     def __init__(self, place: Place, attempt: Attempt) -> None:
         self.place = place
-        self.alias = place.alias
         self.namespace = namespace(place.alias)
         self.agent = agent_of(attempt.owner_json) or ""
         self.keys: LockKeys = place.keys
@@ -339,7 +338,8 @@ class _Watch:
         detector must not fail an acquisition the lock itself would grant, and
         a Redis that stays down fails the wait's own next check-in anyway.
         """
-        return Commands(self.alias, commands, best_effort=True, timeout=self.place.timeout)
+        place = self.place
+        return Commands(place.alias, commands, best_effort=True, timeout=place.timeout)
 
     def check(self) -> Steps[list[tuple[str, str]] | None]:
         """Write this wait's record, then walk; return the cycle if this wait is its victim."""

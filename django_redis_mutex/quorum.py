@@ -106,6 +106,11 @@ class Quorum(OneRedis):
         self.drift = lock.lease * CLOCK_DRIFT_FACTOR + 0.002
         self.member_keys = {alias: lock._keys_on(alias) for alias in aliases}
         self.master_timeout = lock.settings.quorum_timeout
+        # Deadlock detection's records and reads: on the first master by alias.
+        first = min(aliases)
+        self.deadlock_place = deadlock.Place(
+            first, self.member_keys[first], queued=False, timeout=self.master_timeout
+        )
 
     def targets(self) -> tuple[tuple[str, str], ...]:
         return tuple((alias, self.member_keys[alias].lock) for alias in self.aliases)
@@ -200,11 +205,8 @@ class Quorum(OneRedis):
 
         The waits-for records live on the first master by alias (see deadlock.py).
         """
-        first = min(self.aliases)
-        place = deadlock.Place(
-            first, self.member_keys[first], queued=False, timeout=self.master_timeout
-        )
-        return deadlock.watched(self._trying_steps(attempt), self.lock, attempt, place)
+        steps = self._trying_steps(attempt)
+        return deadlock.watched(steps, self.lock, attempt, self.deadlock_place)
 
     def _trying_steps(self, attempt: Attempt) -> Steps[Grant | None]:
         # Quorum waiters never queue, so a release never hands over to one; a
