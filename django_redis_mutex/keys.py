@@ -15,8 +15,7 @@ The layout of one lock, written here and nowhere else (``<lock>`` is
                          holder, "<lease end ms>|<fence>|<taken ms>|<owner JSON>"
     <lock>:fence         string: the last fencing token handed out for this name
     <lock>:queue         zset: waiting tokens, scored by arrival (FIFO order)
-    <lock>:leases        zset: waiting tokens, scored by the ms their wait lease ends
-    <lock>:waiting       hash: waiting token -> "<ttl ms>|<owner JSON>"
+    <lock>:waiting       hash: waiting token -> "<place lease end ms>|<ttl ms>|<owner JSON>"
     <lock>:wake:<token>  list: a waiter's wake-up, "<fence>|<successor token>"
 
 One key per waiting thread or task, outside any lock (``<agent>`` is the
@@ -199,12 +198,11 @@ class LockKeys:
     lock: str
     fence: str
     queue: str
-    leases: str
     waiting: str
     wake_prefix: str
-    # lock, fence, queue, leases, waiting: the KEYS every queue-aware script
-    # starts with, built once per name (hot names are looked up on every request).
-    script_keys: tuple[str, str, str, str, str]
+    # lock, fence, queue, waiting: the KEYS every queue-aware script starts
+    # with, built once per name (hot names are looked up on every request).
+    script_keys: tuple[str, str, str, str]
 
     @classmethod
     def for_name(cls, namespace: str, name: str) -> LockKeys:
@@ -218,16 +216,14 @@ class LockKeys:
     def for_lock_key(cls, lock_key: str) -> LockKeys:
         fence = f"{lock_key}:fence"
         queue = f"{lock_key}:queue"
-        leases = f"{lock_key}:leases"
         waiting = f"{lock_key}:waiting"
         return cls(
             lock=lock_key,
             fence=fence,
             queue=queue,
-            leases=leases,
             waiting=waiting,
             wake_prefix=f"{lock_key}:wake:",
-            script_keys=(lock_key, fence, queue, leases, waiting),
+            script_keys=(lock_key, fence, queue, waiting),
         )
 
     def wake(self, token: str) -> str:
@@ -235,7 +231,7 @@ class LockKeys:
         return self.wake_prefix + token
 
     def with_wake(self, token: str) -> tuple[str, ...]:
-        """Return :attr:`script_keys` plus the wake-up list of ``token`` (a script's KEYS[6])."""
+        """Return :attr:`script_keys` plus the wake-up list of ``token`` (a script's KEYS[5])."""
         return (*self.script_keys, self.wake_prefix + token)
 
     def name_of(self, namespace: str) -> str:

@@ -7,7 +7,7 @@ on a Redis Cluster whose slot is being migrated, a script whose keys are not
 all on one node is then redirected (ASK, TRYAGAIN) instead of running on part
 of the lock's state. Each script states what it takes and answers as data
 (see :class:`LuaScript`; :data:`SCRIPTS` lists them all): the scripts that
-know the queue take the five keys of
+know the queue take the four keys of
 :attr:`~django_redis_mutex.keys.LockKeys.script_keys`, in that order, then one
 wake-up list.
 
@@ -155,11 +155,16 @@ local function next_fence()
   return now_text, true
 end
 
+-- Set by a release that hands an exclusive lock straight on: the lock's hash
+-- is still the last holder's, {acquired = whether it has that field}, and the
+-- next grant writes over it (fewer commands than a DEL and a fresh hash).
+local kept_lock = nil
+
 -- Write the lock for token. 'acquired' (ms) is stored only when the fence
 -- cannot tell it; 'queued' when someone already waits, so a release looks.
 local function grant(token, ttl, owner, queued)
   local fence, on_clock = next_fence()
-  if on_clock and not queued then
+  if on_clock and not queued and not kept_lock then
     redis.call('HSET', KEYS[1], 'token', token, 'fence', fence, 'owner', owner)
   else
     -- One write, whatever it holds: a hand-over pays for no second HSET.
@@ -171,6 +176,12 @@ local function grant(token, ttl, owner, queued)
       fields[#fields + 1], fields[#fields + 2] = 'queued', '1'
     end
     redis.call('HSET', KEYS[1], unpack(fields))
+    if kept_lock then
+      -- What the last holder's hash had and this one's must not (it had 'queued').
+      if on_clock and kept_lock.acquired then redis.call('HDEL', KEYS[1], 'acquired') end
+      if not queued then redis.call('HDEL', KEYS[1], 'queued') end
+      kept_lock = nil
+    end
   end
   redis.call('PEXPIRE', KEYS[1], ttl)
   return fence
@@ -201,15 +212,27 @@ end
 
 # The queue: only the contended paths reach these definitions.
 _QUEUE = r"""
+-- A waiter's record in the waiting hash: '<place lease end ms>|<ttl ms>|<owner
+-- JSON>'. A place whose lease ended (its waiter stopped checking in) is
+-- dropped when it comes first in line; until then it only takes up a place.
 local function forget_waiter(token)
   redis.call('ZREM', KEYS[3], token)
-  redis.call('ZREM', KEYS[4], token)
-  redis.call('HDEL', KEYS[5], token)
+  redis.call('HDEL', KEYS[4], token)
 end
 
-local function prune_dead_waiters(now_ms)
-  local dead = redis.call('ZRANGEBYSCORE', KEYS[4], '-inf', now_ms)
-  for _, token in ipairs(dead) do forget_waiter(token) end
+-- The first waiter in line whose place is still live, its record, and the
+-- token right behind it (a hint: that one may have lapsed); nil when nobody
+-- live waits. Lapsed places met first are forgotten on the way.
+local function first_live(now_ms)
+  while true do
+    local pair = redis.call('ZRANGE', KEYS[3], 0, 1)
+    local head = pair[1]
+    if not head then return nil end
+    local record = redis.call('HGET', KEYS[4], head)
+    local ends = record and tonumber(string.sub(record, 1, string.find(record, '|', 1, true) - 1))
+    if ends and ends > now_ms then return head, record, pair[2] end
+    forget_waiter(head)
+  end
 end
 
 local function first_in_line()
@@ -275,43 +298,44 @@ local function holder_in_the_way(now_ms)
   return nil, -1
 end
 
--- A waiter's terms, read and forgotten as it leaves the line: (hand-off lease, owner).
-local function leave_line(token)
-  local info = redis.call('HGET', KEYS[5], token) or ''
+-- A waiter's terms, from its record, as it leaves the line: (hand-off lease, owner).
+local function leave_line(token, record)
   forget_waiter(token)
-  local ttl, owner = 30000, '{}'
-  local sep = string.find(info, '|', 1, true)
-  if sep then
-    ttl = tonumber(string.sub(info, 1, sep - 1))
-    owner = string.sub(info, sep + 1)
-  end
-  return math.min(ttl, HANDOFF_LEASE), owner
+  local a = string.find(record, '|', 1, true)
+  local b = string.find(record, '|', a + 1, true)
+  return math.min(tonumber(string.sub(record, a + 1, b - 1)), HANDOFF_LEASE),
+         string.sub(record, b + 1)
 end
 
--- Give the lock to waiter head (first in line, alive) with the hand-off lease:
--- an exclusive waiter only when the lock is free; a shared one (with the
--- shared waiters right behind it, as many as LIMIT leaves room for beside the
--- live shared holders) when no exclusive holder has it. Wake the expected
--- waiter here ({its token, its wake-up list}: a list among the caller's KEYS,
--- or nil); return false when nobody was admitted, true when nobody else needs
--- waking, else the other granted tokens, space-separated, for the caller to
--- send WAKE; and how many got in.
-local function hand_to(head, expected, live)
-  local granted, after = {}, nil
+-- Give the lock to waiter head (first live in line, its record, the token
+-- behind it) with the hand-off lease: an exclusive waiter only when the lock is
+-- free; a shared one (with the live shared waiters right behind it, as many as
+-- LIMIT leaves room for beside the live shared holders) when no exclusive
+-- holder has it. Wake the expected waiter here ({its token, its wake-up list}:
+-- a list among the caller's KEYS, or nil); return false when nobody was
+-- admitted, true when nobody else needs waking, else the other granted tokens,
+-- space-separated, for the caller to send WAKE; and how many got in.
+local function hand_to(head, record, after, expected, live)
+  local granted = {}
   if is_shared(head) then
     local room = math.huge
     if LIMIT > 0 then room = LIMIT - live end
-    after = head
-    while after and is_shared(after) and #granted < room do
-      local ttl, owner = leave_line(after)
-      granted[#granted + 1] = {after, grant_shared(after, ttl, owner)}
-      after = first_in_line()
+    if room < 1 then return false, 0 end
+    if kept_lock then
+      -- Shared holders' records never share the hash with an exclusive one's.
+      redis.call('DEL', KEYS[1])
+      kept_lock = nil
     end
-    if #granted == 0 then return false, 0 end
+    local now_ms = math.floor(now / 1000)
+    repeat
+      local ttl, owner = leave_line(head, record)
+      granted[#granted + 1] = {head, grant_shared(head, ttl, owner)}
+      head, record = first_live(now_ms)
+    until not head or not is_shared(head) or #granted >= room
+    after = head
     if after then redis.call('HSET', KEYS[1], 'queued', '1') end
   else
-    local ttl, owner = leave_line(head)
-    after = first_in_line()
+    local ttl, owner = leave_line(head, record)
     granted[1] = {head, grant(head, ttl, owner, after)}
   end
   local others = {}
@@ -331,10 +355,9 @@ end
 -- (all of it when 0; room beside them for shared waiters): as hand_to, false
 -- when nobody can be admitted.
 local function hand_off(expected, live)
-  prune_dead_waiters(math.floor(now / 1000))
-  local head = first_in_line()
+  local head, record, after = first_live(math.floor(now / 1000))
   if not head or (live > 0 and not is_shared(head)) then return false end
-  return hand_to(head, expected, live)
+  return hand_to(head, record, after, expected, live)
 end
 """
 
@@ -391,15 +414,14 @@ if ARGV[4] == '1' then
   if redis.call('ZADD', KEYS[3], 'NX', now_text, token) == 1 then
     -- A new place in line: a wake-up left from an earlier hand-over that lapsed
     -- must not be taken for a new one.
-    redis.call('DEL', KEYS[6])
+    redis.call('DEL', KEYS[5])
   end
-  redis.call('ZADD', KEYS[4], now_ms + WAIT_LEASE, token)
-  redis.call('HSET', KEYS[5], token, ARGV[2] .. '|' .. owner)
+  redis.call('HSET', KEYS[4], token,
+             (now_ms + WAIT_LEASE) .. '|' .. ARGV[2] .. '|' .. owner)
   -- Waiters check in every half lease, so the queue outlives its last waiter
   -- by at most one lease.
   redis.call('PEXPIRE', KEYS[3], WAIT_LEASE)
   redis.call('PEXPIRE', KEYS[4], WAIT_LEASE)
-  redis.call('PEXPIRE', KEYS[5], WAIT_LEASE)
   -- The lock is held here (by someone else, or by the waiter just handed it).
   if not (seen and seen[3]) then redis.call('HSET', KEYS[1], 'queued', '1') end
 end
@@ -420,7 +442,7 @@ return {0, pttl or redis.call('PTTL', KEYS[1]), owner_seen or '', woken, held}
 
 
 # The keys every script that knows the queue takes first (LockKeys.script_keys).
-_LOCK_KEYS = ("lock", "fence", "queue", "leases", "waiting")
+_LOCK_KEYS = ("lock", "fence", "queue", "waiting")
 
 # The uncontended answer is the bare fence: a string, not a table, is cheaper.
 ACQUIRE = LuaScript(
@@ -452,25 +474,23 @@ seen = redis.call('HMGET', KEYS[1], 'token', 'owner', 'queued', 'fence', 'acquir
 local holder = seen[1]
 if holder == token then
   -- Handed to us between two check-ins: our wake-up is no longer needed.
-  redis.call('DEL', KEYS[6])
+  redis.call('DEL', KEYS[5])
   return {1, redis.call('HGET', KEYS[1], 'fence'), redis.call('PTTL', KEYS[1]),
           first_in_line() or ''}
 end
 local now_ms = math.floor(now / 1000)
 local woken = ''
 if not holder and live_readers(now_ms) == 0 then
-  prune_dead_waiters(now_ms)
-  local head = first_in_line()
+  local head, record, after = first_live(now_ms)
   if (not head) or head == token then
-    forget_waiter(token)
-    redis.call('DEL', KEYS[6])
-    local after = first_in_line()
+    if head then forget_waiter(token) end
+    redis.call('DEL', KEYS[5])
     return {1, grant(token, ttl, owner, after), -1, after or ''}
   end
   -- The lock expired (no release woke anyone) and a live waiter is first in
   -- line: give it the lock now instead of letting it sleep out its timer. Its
   -- wake-up list is not ours to touch: the caller wakes it.
-  woken = hand_to(head, nil, 0)
+  woken = hand_to(head, record, after, nil, 0)
   seen = nil
 end
 local pttl = nil
@@ -508,7 +528,7 @@ if mine then
   local _, fence, left = reader_state(mine, now_ms)
   if left > 0 then
     -- Handed to us between two check-ins: our wake-up is no longer needed.
-    redis.call('DEL', KEYS[6])
+    redis.call('DEL', KEYS[5])
     return {1, fence, left, first_in_line() or ''}
   end
 end
@@ -519,38 +539,36 @@ if found[1] then
   seen = found
 else
   local live, first = live_readers(now_ms)
-  prune_dead_waiters(now_ms)
-  local head = first_in_line()
+  local head, record, after = first_live(now_ms)
   if head and head ~= token and is_shared(head) then
     -- Shared waiters are first in line and nobody handed them the lock (an
     -- exclusive lease ended, a writer ahead of them left, a permit's lease
     -- ended): they go in first, up to the next exclusive waiter or the limit,
     -- so nobody passes anyone in line.
     local admitted
-    woken, admitted = hand_to(head, nil, live)
+    woken, admitted = hand_to(head, record, after, nil, live)
     woken = woken or ''
     live = live + admitted
     mine = redis.call('HGET', KEYS[1], 'r:' .. token)
     if mine then
       -- We were in that run. The others are in the reply's fifth item, to wake.
       local _, fence, left = reader_state(mine, now_ms)
-      redis.call('DEL', KEYS[6])
+      redis.call('DEL', KEYS[5])
       return {1, fence, left, first_in_line() or '', woken}
     end
-    head = first_in_line()
+    head, record, after = first_live(now_ms)
   end
   local room = LIMIT == 0 or live < LIMIT
   if room and ((not head) or head == token) then
-    forget_waiter(token)
-    redis.call('DEL', KEYS[6])
-    local after = first_in_line()
+    if head then forget_waiter(token) end
+    redis.call('DEL', KEYS[5])
     local fence = grant_shared(token, ttl, owner)
     if after then redis.call('HSET', KEYS[1], 'queued', '1') end
     return {1, fence, -1, after or '', woken}
   end
   if live == 0 and head and not is_shared(head) then
     -- Free, and an exclusive waiter is first in line: it gets the lock now.
-    woken = hand_to(head, nil, 0)
+    woken = hand_to(head, record, after, nil, 0)
   elseif LIMIT > 0 then
     -- Full: the first permit may come free when the first lease ends.
     pttl = first
@@ -573,7 +591,7 @@ RELEASE = LuaScript(
     " token(s) of the waiter(s) it was handed to, space-separated, to WAKE",
     source=_MIGRATING
     + r"""
-local found = redis.call('HMGET', KEYS[1], 'token', 'queued', 'limit')
+local found = redis.call('HMGET', KEYS[1], 'token', 'queued', 'limit', 'acquired')
 local shared = nil
 if found[1] ~= ARGV[1] then
   if found[1] then return 0 end
@@ -584,9 +602,8 @@ elseif not found[2] then
   -- Nobody waits: the lock is all there is to delete.
   redis.call('DEL', KEYS[1])
   return 1
-else
-  if slot_migrating() then return redis.error_reply(MIGRATING) end
-  redis.call('DEL', KEYS[1])
+elseif slot_migrating() then
+  return redis.error_reply(MIGRATING)
 end
 """
     + _CONSTANTS
@@ -596,7 +613,10 @@ end
     + r"""
 LIMIT = tonumber(found[3]) or 0
 local live = 0
-if shared then
+if not shared then
+  -- Someone waits: the next holder's grant writes over this hash (see grant).
+  kept_lock = {acquired = found[4] ~= false}
+else
   local now_ms = math.floor(now / 1000)
   -- A shared lease that ended is no longer the caller's, even while its
   -- record waits to be dropped: 0, as for an expired exclusive lock. The
@@ -607,8 +627,12 @@ if shared then
   if ended then return 0 end
   if not found[2] then return 1 end
 end
-local handed = hand_off(ARGV[2] and {ARGV[2], KEYS[6]}, live)
-if handed == false then return 1 end
+local handed = hand_off(ARGV[2] and {ARGV[2], KEYS[5]}, live)
+if handed == false then
+  -- Nobody live to take it: the lock is free.
+  if kept_lock then redis.call('DEL', KEYS[1]) end
+  return 1
+end
 if handed == true then return 2 end
 return handed
 """,
@@ -665,7 +689,7 @@ if slot_migrating() then return redis.error_reply(MIGRATING) end
 local token = ARGV[1]
 LIMIT = tonumber(ARGV[2]) or 0
 forget_waiter(token)
-redis.call('DEL', KEYS[6])
+redis.call('DEL', KEYS[5])
 local holder = redis.call('HGET', KEYS[1], 'token')
 if holder == token then
   return {1, redis.call('HGET', KEYS[1], 'fence'), redis.call('PTTL', KEYS[1]),
@@ -1011,10 +1035,10 @@ def _pack(script: LuaScript, keys: Sequence[str], args: Sequence[Any]) -> bytes:
         b"$%d\r\n%s\r\n" % (len(count), count),
     ]
     rest: Sequence[Any] = (*keys, *args)
-    if len(keys) >= 5:
-        # The five keys every queue-aware call starts with, packed once per lock.
-        parts.append(_packed_keys(tuple(keys[:5])))
-        rest = (*keys[5:], *args)
+    if len(keys) >= 4:
+        # The four keys every queue-aware call starts with, packed once per lock.
+        parts.append(_packed_keys(tuple(keys[:4])))
+        rest = (*keys[4:], *args)
     for item in rest:
         if isinstance(item, str):
             data = item.encode()

@@ -460,7 +460,7 @@ def test_hostile_waiter_keys_stay_in_namespace(raw, mutex_prefix):
         assert wait_until(lambda: held_locks()[0].waiters == 1)
         written = set(raw.scan_iter(match="*")) - before
     thread.join(5)
-    assert len(written) == 5  # lock, fence, queue, leases, waiting
+    assert len(written) == 4  # lock, fence, queue, waiting
     assert all(k.startswith(f"tests:{mutex_prefix}:".encode()) for k in written)
 
 
@@ -1009,12 +1009,11 @@ def test_every_key_of_one_lock_hashes_to_one_slot(name, raw, mutex_prefix):
             lock.keys.lock,
             lock.keys.fence,
             lock.keys.queue,
-            lock.keys.leases,
             lock.keys.waiting,
             lock.keys.wake_prefix + (lock.token or ""),
         ]
     waiter.join(5)
-    assert len(stored) == 5  # lock, fence, queue, leases, waiting
+    assert len(stored) == 4  # lock, fence, queue, waiting
     slots = {key_slot(k) for k in stored} | {key_slot(k.encode()) for k in named}
     assert len(slots) == 1
 

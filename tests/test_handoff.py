@@ -24,6 +24,7 @@ import redis
 from django_redis_mutex import Mutex, scripts
 from django_redis_mutex.acquisition import start
 from django_redis_mutex.driver import Pop, Steps, _do, run_steps
+from django_redis_mutex.keys import LockKeys
 
 from .helpers import wait_until
 
@@ -133,3 +134,58 @@ def test_a_lapsed_hand_over_is_not_taken_for_a_new_one(raw: redis.Redis) -> None
     steps.close()
     run_steps(waiter._where.abandon_steps(token))
     other.release()
+
+
+def server_us(raw: redis.Redis) -> int:
+    seconds, micros = raw.time()
+    return seconds * 1_000_000 + micros
+
+
+def join_line(raw: redis.Redis, keys: LockKeys, token: str) -> Any:
+    """Run ACQUIRE for ``token`` (its owner record is the token), waiting in line when refused."""
+    return scripts.run(raw, scripts.ACQUIRE, keys.with_wake(token), [token, 9_000, token, "1"])
+
+
+def test_a_hand_over_leaves_nothing_of_the_last_holders_record(raw: redis.Redis) -> None:
+    """The next holder's record is written over the last one's: none of its fields survive."""
+    keys = Mutex("overwritten").keys
+    # The counter runs ahead of the clock, so the first holder's fence is not
+    # the clock and its record also keeps when it was taken ('acquired').
+    ahead = server_us(raw) + 300_000
+    raw.set(keys.fence, ahead)
+    first = scripts.run(raw, scripts.ACQUIRE, keys.with_wake("a1"), ["a1", 10_000, '{"n": 1}', "1"])
+    assert int(first) == ahead + 1
+    assert raw.hget(keys.lock, "acquired") is not None
+    for token in ("b2", "c3"):
+        refused = join_line(raw, keys, token)
+        assert refused[0] == 0
+    assert raw.hget(keys.lock, "queued") == b"1"
+    wait_until(lambda: server_us(raw) > ahead + 2, 5, "the server clock to pass the counter")
+
+    # Handed to b2, with c3 behind it: b2's fence is the clock, so no 'acquired'.
+    assert scripts.run(raw, scripts.RELEASE, keys.script_keys, ["a1"]) == b"b2"
+    assert raw.hgetall(keys.lock).keys() == {b"token", b"fence", b"owner", b"queued"}
+    assert raw.hmget(keys.lock, "token", "owner") == [b"b2", b"b2"]
+    assert int(raw.hget(keys.lock, "fence")) > ahead + 1
+
+    # Handed to c3, last in line: nobody is queued behind it any more.
+    assert scripts.run(raw, scripts.RELEASE, keys.script_keys, ["b2"]) == b"c3"
+    assert raw.hgetall(keys.lock).keys() == {b"token", b"fence", b"owner"}
+    assert raw.hmget(keys.lock, "token", "owner") == [b"c3", b"c3"]
+    assert scripts.run(raw, scripts.RELEASE, keys.script_keys, ["c3"]) == 1
+    assert not raw.exists(keys.lock, keys.queue, keys.waiting)
+
+
+def test_a_release_with_only_lapsed_waiters_frees_the_lock(raw: redis.Redis) -> None:
+    """Waiters that stopped checking in are skipped, and the lock is deleted, not kept."""
+    keys = Mutex("lapsed-line").keys
+    assert scripts.run(raw, scripts.ACQUIRE, keys.with_wake("h1"), ["h1", 10_000, "h", "1"])
+    for token in ("d1", "d2"):
+        refused = join_line(raw, keys, token)
+        assert refused[0] == 0
+        _ends, terms = raw.hget(keys.waiting, token).split(b"|", 1)
+        raw.hset(keys.waiting, token, b"1|" + terms)  # its place lapsed long ago
+
+    assert scripts.run(raw, scripts.RELEASE, keys.script_keys, ["h1"]) == 1
+    assert not raw.exists(keys.lock)
+    assert raw.zcard(keys.queue) == 0 and raw.hlen(keys.waiting) == 0

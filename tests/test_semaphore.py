@@ -536,7 +536,6 @@ def test_every_key_has_an_expiry_while_held_and_waited_for_and_none_is_left_afte
         b"{expiring}",
         b"fence",
         b"queue",
-        b"leases",
         b"waiting",
     }
     assert [key for key, ms in ttls if ms <= 0] == []

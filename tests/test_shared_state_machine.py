@@ -160,15 +160,15 @@ class SharedLockModel(RuleBasedStateMachine):
         pipe.time()
         pipe.hgetall(self.keys.lock)
         pipe.zrange(self.keys.queue, 0, -1)
-        pipe.zrange(self.keys.leases, 0, -1, withscores=True)
-        pipe.hkeys(self.keys.waiting)
+        pipe.hgetall(self.keys.waiting)
         pipe.get(self.keys.fence)
-        clock, fields, queue, leases, waiting, counter = pipe.execute()
+        clock, fields, queue, waiting, counter = pipe.execute()
         return Snapshot(
             now_ms=int(clock[0]) * 1000 + int(clock[1]) // 1000,
             fields=fields,
             queue=queue,
-            leases=dict(leases),
+            # A waiter's record: "<place lease end ms>|<ttl ms>|<owner JSON>".
+            leases={token: int(record.split("|", 1)[0]) for token, record in waiting.items()},
             waiting=set(waiting),
             fence_counter=None if counter is None else int(counter),
         )
@@ -492,7 +492,10 @@ class SharedLockModel(RuleBasedStateMachine):
         owner = self.choose(index, "waiting")
         assert owner.token is not None
         now = self.snapshot().now_ms
-        self.client.zadd(self.keys.leases, {owner.token: now - 1}, xx=True)
+        record = self.client.hget(self.keys.waiting, owner.token)
+        assert record is not None
+        _ends, terms = record.split("|", 1)
+        self.client.hset(self.keys.waiting, owner.token, f"{now - 1}|{terms}")
         owner.state = "dead-waiter"
 
     # -- invariants -------------------------------------------------------------
