@@ -220,7 +220,22 @@ local function forget_waiter(token)
   redis.call('HDEL', KEYS[4], token)
 end
 
--- The first waiter in line whose place is still live, its record, and the
+-- A waiter's record read: (ms its place lapses, {hand-off lease ms, owner}),
+-- or nil when there is none or it cannot be read. An older version wrote
+-- '<ttl ms>|<owner JSON>' and kept the lease apart: such a place counts as live.
+local function waiter_terms(record)
+  local a = record and string.find(record, '|', 1, true)
+  if not a then return nil end
+  if string.byte(record, a + 1) == 123 then
+    local ttl = tonumber(string.sub(record, 1, a - 1))
+    return ttl and math.huge, {ttl, string.sub(record, a + 1)}
+  end
+  local b = string.find(record, '|', a + 1, true)
+  local ttl = b and tonumber(string.sub(record, a + 1, b - 1))
+  return ttl and tonumber(string.sub(record, 1, a - 1)), {ttl, string.sub(record, (b or 0) + 1)}
+end
+
+-- The first waiter in line whose place is still live, its terms, and the
 -- token right behind it (a hint: that one may have lapsed); nil when nobody
 -- live waits. Lapsed places met first are forgotten on the way.
 local function first_live(now_ms)
@@ -228,9 +243,8 @@ local function first_live(now_ms)
     local pair = redis.call('ZRANGE', KEYS[3], 0, 1)
     local head = pair[1]
     if not head then return nil end
-    local record = redis.call('HGET', KEYS[4], head)
-    local ends = record and tonumber(string.sub(record, 1, string.find(record, '|', 1, true) - 1))
-    if ends and ends > now_ms then return head, record, pair[2] end
+    local ends, terms = waiter_terms(redis.call('HGET', KEYS[4], head))
+    if ends and ends > now_ms then return head, terms, pair[2] end
     forget_waiter(head)
   end
 end
@@ -298,16 +312,13 @@ local function holder_in_the_way(now_ms)
   return nil, -1
 end
 
--- A waiter's terms, from its record, as it leaves the line: (hand-off lease, owner).
-local function leave_line(token, record)
+-- A waiter leaves the line with its terms: (hand-off lease, owner).
+local function leave_line(token, terms)
   forget_waiter(token)
-  local a = string.find(record, '|', 1, true)
-  local b = string.find(record, '|', a + 1, true)
-  return math.min(tonumber(string.sub(record, a + 1, b - 1)), HANDOFF_LEASE),
-         string.sub(record, b + 1)
+  return math.min(terms[1], HANDOFF_LEASE), terms[2]
 end
 
--- Give the lock to waiter head (first live in line, its record, the token
+-- Give the lock to waiter head (first live in line, its terms, the token
 -- behind it) with the hand-off lease: an exclusive waiter only when the lock is
 -- free; a shared one (with the live shared waiters right behind it, as many as
 -- LIMIT leaves room for beside the live shared holders) when no exclusive
@@ -315,7 +326,7 @@ end
 -- a list among the caller's KEYS, or nil); return false when nobody was
 -- admitted, true when nobody else needs waking, else the other granted tokens,
 -- space-separated, for the caller to send WAKE; and how many got in.
-local function hand_to(head, record, after, expected, live)
+local function hand_to(head, terms, after, expected, live)
   local granted = {}
   if is_shared(head) then
     local room = math.huge
@@ -328,14 +339,14 @@ local function hand_to(head, record, after, expected, live)
     end
     local now_ms = math.floor(now / 1000)
     repeat
-      local ttl, owner = leave_line(head, record)
+      local ttl, owner = leave_line(head, terms)
       granted[#granted + 1] = {head, grant_shared(head, ttl, owner)}
-      head, record = first_live(now_ms)
+      head, terms = first_live(now_ms)
     until not head or not is_shared(head) or #granted >= room
     after = head
     if after then redis.call('HSET', KEYS[1], 'queued', '1') end
   else
-    local ttl, owner = leave_line(head, record)
+    local ttl, owner = leave_line(head, terms)
     granted[1] = {head, grant(head, ttl, owner, after)}
   end
   local others = {}
@@ -355,9 +366,9 @@ end
 -- (all of it when 0; room beside them for shared waiters): as hand_to, false
 -- when nobody can be admitted.
 local function hand_off(expected, live)
-  local head, record, after = first_live(math.floor(now / 1000))
+  local head, terms, after = first_live(math.floor(now / 1000))
   if not head or (live > 0 and not is_shared(head)) then return false end
-  return hand_to(head, record, after, expected, live)
+  return hand_to(head, terms, after, expected, live)
 end
 """
 
@@ -481,7 +492,7 @@ end
 local now_ms = math.floor(now / 1000)
 local woken = ''
 if not holder and live_readers(now_ms) == 0 then
-  local head, record, after = first_live(now_ms)
+  local head, terms, after = first_live(now_ms)
   if (not head) or head == token then
     if head then forget_waiter(token) end
     redis.call('DEL', KEYS[5])
@@ -490,7 +501,7 @@ if not holder and live_readers(now_ms) == 0 then
   -- The lock expired (no release woke anyone) and a live waiter is first in
   -- line: give it the lock now instead of letting it sleep out its timer. Its
   -- wake-up list is not ours to touch: the caller wakes it.
-  woken = hand_to(head, record, after, nil, 0)
+  woken = hand_to(head, terms, after, nil, 0)
   seen = nil
 end
 local pttl = nil
@@ -539,14 +550,14 @@ if found[1] then
   seen = found
 else
   local live, first = live_readers(now_ms)
-  local head, record, after = first_live(now_ms)
+  local head, terms, after = first_live(now_ms)
   if head and head ~= token and is_shared(head) then
     -- Shared waiters are first in line and nobody handed them the lock (an
     -- exclusive lease ended, a writer ahead of them left, a permit's lease
     -- ended): they go in first, up to the next exclusive waiter or the limit,
     -- so nobody passes anyone in line.
     local admitted
-    woken, admitted = hand_to(head, record, after, nil, live)
+    woken, admitted = hand_to(head, terms, after, nil, live)
     woken = woken or ''
     live = live + admitted
     mine = redis.call('HGET', KEYS[1], 'r:' .. token)
@@ -556,7 +567,7 @@ else
       redis.call('DEL', KEYS[5])
       return {1, fence, left, first_in_line() or '', woken}
     end
-    head, record, after = first_live(now_ms)
+    head, terms, after = first_live(now_ms)
   end
   local room = LIMIT == 0 or live < LIMIT
   if room and ((not head) or head == token) then
@@ -568,7 +579,7 @@ else
   end
   if live == 0 and head and not is_shared(head) then
     -- Free, and an exclusive waiter is first in line: it gets the lock now.
-    woken = hand_to(head, record, after, nil, 0)
+    woken = hand_to(head, terms, after, nil, 0)
   elseif LIMIT > 0 then
     -- Full: the first permit may come free when the first lease ends.
     pttl = first

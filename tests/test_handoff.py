@@ -189,3 +189,31 @@ def test_a_release_with_only_lapsed_waiters_frees_the_lock(raw: redis.Redis) -> 
     assert scripts.run(raw, scripts.RELEASE, keys.script_keys, ["h1"]) == 1
     assert not raw.exists(keys.lock)
     assert raw.zcard(keys.queue) == 0 and raw.hlen(keys.waiting) == 0
+
+
+def test_a_waiter_queued_by_an_older_version_is_handed_the_lock(raw: redis.Redis) -> None:
+    """An older version kept a waiter's lease apart and its record as "<ttl>|<owner>"."""
+    keys = Mutex("older-waiter").keys
+    assert scripts.run(raw, scripts.ACQUIRE, keys.with_wake("h1"), ["h1", 10_000, "h", "1"])
+    raw.zadd(keys.queue, {"old1": 1})
+    raw.hset(keys.waiting, "old1", '60000|{"host": "older", "label": "a|b"}')
+    raw.hset(keys.lock, "queued", "1")
+    assert join_line(raw, keys, "new2")[0] == 0
+
+    assert scripts.run(raw, scripts.RELEASE, keys.script_keys, ["h1"]) == b"old1"
+    assert raw.hmget(keys.lock, "token", "owner") == [b"old1", b'{"host": "older", "label": "a|b"}']
+    # Its hand-over lease is capped as any waiter's is.
+    assert 0 < raw.pttl(keys.lock) <= scripts.HANDOFF_LEASE * 1000
+    assert raw.zrange(keys.queue, 0, -1) == [b"new2"]
+
+
+def test_an_unreadable_waiter_record_is_skipped(raw: redis.Redis) -> None:
+    keys = Mutex("unreadable-waiter").keys
+    assert scripts.run(raw, scripts.ACQUIRE, keys.with_wake("h1"), ["h1", 10_000, "h", "1"])
+    raw.zadd(keys.queue, {"odd1": 1, "odd2": 2})
+    raw.hset(keys.waiting, mapping={"odd1": "no separator", "odd2": "x|y|z"})
+    raw.hset(keys.lock, "queued", "1")
+    assert join_line(raw, keys, "new3")[0] == 0
+
+    assert scripts.run(raw, scripts.RELEASE, keys.script_keys, ["h1"]) == b"new3"
+    assert raw.zrange(keys.queue, 0, -1) == []
