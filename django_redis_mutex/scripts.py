@@ -108,16 +108,22 @@ MIGRATION_PROBE = ":never"
 # when every key it declares is still on the node, but a key the script then
 # empties (the last waiter leaving the queue, a released lock) is no longer
 # "local", and touching it again stops the script half-way, after its first
-# writes. The scripts that empty a key and go on call this before their first
-# write: a key of the lock's slot that never exists is looked up, which Redis
-# refuses only while the slot migrates, and the script answers TRYAGAIN
-# (retried by the client, then LockBackendUnavailable) having changed nothing.
+# writes. A path that may empty a key and go on calls ensure_settled before
+# its first write: a key of the lock's slot that never exists is looked up,
+# which Redis refuses only while the slot migrates, and the script answers
+# TRYAGAIN (retried by the client, then LockBackendUnavailable) having changed
+# nothing. The contended cycle's common paths (joining the line, handing an
+# exclusive lock to a live waiter) empty nothing they touch again, and skip it.
 _MIGRATING = rf"""
-local function slot_migrating()
+local settled = false
+local function ensure_settled()
+  if settled then return end
   local probe = redis.pcall('EXISTS', KEYS[1] .. '{MIGRATION_PROBE}')
-  return type(probe) == 'table' and probe.err ~= nil
+  if type(probe) == 'table' and probe.err ~= nil then
+    error({{err = 'TRYAGAIN the slot of this lock is being migrated'}})
+  end
+  settled = true
 end
-local MIGRATING = 'TRYAGAIN the slot of this lock is being migrated'
 """
 
 _CONSTANTS = (
@@ -245,6 +251,7 @@ local function first_live(now_ms)
     if not head then return nil end
     local ends, terms = waiter_terms(redis.call('HGET', KEYS[4], head))
     if ends and ends > now_ms then return head, terms, pair[2] end
+    ensure_settled()  -- forgetting it may empty the line, read again next
     forget_waiter(head)
   end
 end
@@ -334,6 +341,7 @@ local function hand_to(head, terms, after, expected, live)
     if room < 1 then return false, 0 end
     if kept_lock then
       -- Shared holders' records never share the hash with an exclusive one's.
+      ensure_settled()
       redis.call('DEL', KEYS[1])
       kept_lock = nil
     end
@@ -473,7 +481,6 @@ if redis.call('EXISTS', KEYS[1], KEYS[3]) == 0 then
   -- Free and nobody waiting: the common, uncontended case, in one lookup.
   return grant(token, ARGV[2], owner, false)
 end
-if slot_migrating() then return redis.error_reply(MIGRATING) end
 local ttl = tonumber(ARGV[2])
 """
     + _QUEUE
@@ -491,6 +498,8 @@ if holder == token then
 end
 local now_ms = math.floor(now / 1000)
 local woken = ''
+-- Ended shared records or lapsed places dropped below can empty a key read again.
+if not holder then ensure_settled() end
 if not holder and live_readers(now_ms) == 0 then
   local head, terms, after = first_live(now_ms)
   if (not head) or head == token then
@@ -528,7 +537,7 @@ LIMIT = tonumber(ARGV[5]) or 0
 if redis.call('EXISTS', KEYS[1], KEYS[3]) == 0 then
   return grant_shared(token, ARGV[2], owner)
 end
-if slot_migrating() then return redis.error_reply(MIGRATING) end
+ensure_settled()
 local ttl = tonumber(ARGV[2])
 """
     + _QUEUE
@@ -608,13 +617,11 @@ if found[1] ~= ARGV[1] then
   if found[1] then return 0 end
   shared = redis.call('HGET', KEYS[1], 'r:' .. ARGV[1])
   if not shared then return 0 end
-  if slot_migrating() then return redis.error_reply(MIGRATING) end
+  ensure_settled()
 elseif not found[2] then
   -- Nobody waits: the lock is all there is to delete.
   redis.call('DEL', KEYS[1])
   return 1
-elseif slot_migrating() then
-  return redis.error_reply(MIGRATING)
 end
 """
     + _CONSTANTS
@@ -696,7 +703,7 @@ CANCEL = LuaScript(
     + _GRANT
     + _QUEUE
     + r"""
-if slot_migrating() then return redis.error_reply(MIGRATING) end
+ensure_settled()
 local token = ARGV[1]
 LIMIT = tonumber(ARGV[2]) or 0
 forget_waiter(token)
@@ -734,7 +741,7 @@ RESET = LuaScript(
     source=_MIGRATING
     + r"""
 if redis.call('EXISTS', KEYS[1]) == 0 then return {0, ''} end
-if slot_migrating() then return redis.error_reply(MIGRATING) end
+ensure_settled()
 local fields = redis.call('HGETALL', KEYS[1])
 redis.call('DEL', KEYS[1])
 """

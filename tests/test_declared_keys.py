@@ -614,8 +614,31 @@ Called = tuple[list[str], list[Any]]
 
 def release_handing_over(port: int, keys: LockKeys) -> Called:
     holder, _ = holder_and_waiter(port, keys)
-    # The lock is deleted, then written for the waiter, whose leaving emptied the queue.
+    # The waiter's leaving empties the queue; the lock is written over for it.
     return list(keys.script_keys), [holder]
+
+
+def release_past_a_lapsed_place(port: int, keys: LockKeys) -> Called:
+    holder, waiter = holder_and_waiter(port, keys)
+    _ends, terms = command(port, "HGET", keys.waiting, waiter).split(b"|", 1)
+    command(port, "HSET", keys.waiting, waiter, b"1|" + terms)
+    # Forgetting the lapsed place empties the queue, which is read again.
+    return list(keys.script_keys), [holder]
+
+
+def release_to_a_shared_waiter(port: int, keys: LockKeys) -> Called:
+    holder, reader = token(), token(shared=True)
+    join(port, keys, holder)
+    join(port, keys, reader)  # refused: an exclusive holder has the lock
+    # The lock is deleted, then written for the reader.
+    return list(keys.script_keys), [holder]
+
+
+def joining_the_line(port: int, keys: LockKeys) -> Called:
+    holder_and_waiter(port, keys)
+    caller = token()
+    unpopped_wake_up(port, keys, caller)
+    return [*keys.script_keys, keys.wake(caller)], [caller, 30_000, "{}", 1]
 
 
 def reset_handing_over(port: int, keys: LockKeys) -> Called:
@@ -669,6 +692,9 @@ def contended(
 
 CASES: dict[str, tuple[lock_scripts.LuaScript, Callable[[int, LockKeys], Called]]] = {
     "release handing over": (lock_scripts.RELEASE, release_handing_over),
+    "release past a lapsed place": (lock_scripts.RELEASE, release_past_a_lapsed_place),
+    "release to a shared waiter": (lock_scripts.RELEASE, release_to_a_shared_waiter),
+    "joining the line": (lock_scripts.ACQUIRE, joining_the_line),
     "reset handing over": (lock_scripts.RESET, reset_handing_over),
     "cancel of the last waiter": (lock_scripts.CANCEL, cancel_of_the_last_waiter),
     "permit freed for the only waiter": (
