@@ -22,7 +22,15 @@ from .driver import Script, Steps
 from .holds import decode
 from .keys import LockKeys
 
-__all__ = ["Wakeup", "handed_to", "parse_wakeup", "release_steps", "reset_steps", "wake_steps"]
+__all__ = [
+    "Wakeup",
+    "handed_to",
+    "parse_wakeup",
+    "read_state_steps",
+    "release_steps",
+    "reset_steps",
+    "wake_steps",
+]
 
 
 def handed_to(reply: Any) -> list[str]:
@@ -53,23 +61,33 @@ def _woken(alias: str, keys: LockKeys, reply: Any) -> Steps[None]:
         yield from wake_steps(alias, keys, head)
 
 
-def reset_steps(alias: str, keys: LockKeys) -> Steps[int]:
+def read_state_steps(alias: str, keys: LockKeys, token: str = "") -> Steps[list[Any]]:
+    """Return what READ_STATE says of the lock on ``alias``, and of ``token``'s hold."""
+    _sent, state = yield Script(alias, scripts.READ_STATE, (keys.lock,), [token])
+    return list(state)
+
+
+def reset_steps(alias: str, keys: LockKeys, floor: int | None = None) -> Steps[int]:
     """Force-release the lock on ``alias``, handing it to the first waiter; return how many held it.
 
     One for an exclusive holder; for a shared lock or a semaphore, its holders.
+    ``floor``: on a quorum, the largest fence of the masters' holders, which
+    the fence counter is raised to first (see quorum.py).
     """
-    _sent, (holders, woken) = yield Script(alias, scripts.RESET, keys.script_keys, [])
+    args = [] if floor is None else [floor]
+    _sent, (holders, woken) = yield Script(alias, scripts.RESET, keys.script_keys, args)
     yield from _woken(alias, keys, woken)
     return int(holders)
 
 
-def release_steps(alias: str, keys: LockKeys, token: str) -> Steps[bool]:
+def release_steps(alias: str, keys: LockKeys, token: str, floor: int | None = None) -> Steps[bool]:
     """Release the lock on ``alias`` as the holder of ``token``; return True if it held it.
 
     For the operator's tools, which know no successor: a waiter the lock goes
-    to is woken by WAKE.
+    to is woken by WAKE. ``floor`` as for :func:`reset_steps`.
     """
-    _sent, done = yield Script(alias, scripts.RELEASE, keys.script_keys, [token])
+    args = [token] if floor is None else [token, "", floor]
+    _sent, done = yield Script(alias, scripts.RELEASE, keys.script_keys, args)
     yield from _woken(alias, keys, done)
     return bool(done)
 

@@ -360,7 +360,14 @@ class Hold:
     # -- what the watchdog asks of everything it renews (watchdog.Renewable) --
 
     def renewal(self, key: str, ttl: float) -> tuple[scripts.LuaScript, tuple[str, ...], list[Any]]:
-        """Return the script, keys and arguments that renew the lock ``key`` to ``ttl``."""
+        """Return the script, keys and arguments that renew the lock ``key`` to ``ttl``.
+
+        A quorum hold's renewal also carries its fence, the floor of each
+        master's fence counter (see quorum.py).
+        """
+        if self.quorum > 1:
+            keys = LockKeys.for_lock_key(key)
+            return scripts.EXTEND, (key, keys.fence), [self.token, int(ttl * 1000), self.fence]
         return scripts.EXTEND, (key,), [self.token, int(ttl * 1000)]
 
     def describe(self) -> str:

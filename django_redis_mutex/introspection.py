@@ -33,7 +33,7 @@ from .display import duration
 from .driver import run_steps
 from .eviction import EvictionPolicy, read_policy
 from .exceptions import LockBackendUnavailable
-from .handoff import release_steps, reset_steps
+from .handoff import read_state_steps, release_steps, reset_steps
 from .holds import decode
 from .keys import LockKeys, SharedRecord, lock_pattern, semaphore_pattern, validate_name
 from .owners import Owner, parse_owner
@@ -621,19 +621,34 @@ def _reset(name: str, using: str | Sequence[str], kind: _Kind, token: str | None
     validate_name(name)
     ensure_resettable(using, kind.noun)
     masters = _Masters(using, name)
+    floor = _largest_fence(masters, kind, name) if len(masters.aliases) > 1 else None
 
     def run(alias: str) -> int:
         keys = kind.keys(namespace(alias), name)
         if token is None:
-            return run_steps(reset_steps(alias, keys))
+            return run_steps(reset_steps(alias, keys, floor))
         # The holder's own release script, so the compare on the token and the
         # hand-off to the first waiter follow its contract (see scripts.RELEASE).
         # Each holder of a shared lock is released as itself, every one of them.
-        return any([run_steps(release_steps(alias, keys, one)) for one in token.split()])
+        return any([run_steps(release_steps(alias, keys, one, floor)) for one in token.split()])
 
     done = masters.each(run, name)
     masters.check_reset(kind.noun, name)
     return max(done.values(), default=0)
+
+
+def _largest_fence(masters: _Masters, kind: _Kind, name: str) -> int:
+    """Return the largest fence the holders of ``name`` have on any master of a quorum.
+
+    The reset raises every master's fence counter to it as it frees the lock,
+    so the next majority's fence is larger (see quorum.py).
+    """
+
+    def read(alias: str) -> int:
+        keys = kind.keys(namespace(alias), name)
+        return int(run_steps(read_state_steps(alias, keys))[6])
+
+    return max(masters.each(read, name).values(), default=0)
 
 
 def reset(name: str, using: str | Sequence[str] = "default") -> bool:

@@ -29,8 +29,16 @@ would let three holders of a limit of two each hold a different pair of three
 masters).
 
 Fencing tokens: the fence of a hold is the largest fence the granting masters
-handed out, and it is then written to every master as a floor; any later
-majority overlaps this one, so its fence is larger still.
+handed out. It rides, as a floor for each master's fence counter, on every
+renewal and on the release (in the same script that gives the lock back
+there), and an operator's reset raises the counters to the largest fence the
+masters' holders have before it frees them: no round trip of its own. A later
+majority overlaps this one in a master that held the lock; when that master
+stopped holding it, its counter was raised to the floor (a release, a renewal
+before it expired, a reset), or the copy expired unrenewed a whole lease after
+it was granted, when that master's clock (the least a fence can be) has passed
+every fence of that moment unless the masters' clocks differ by more than the
+lease. Either way the later fence is larger (docs/guarantees.rst).
 """
 
 from __future__ import annotations
@@ -230,12 +238,6 @@ class Quorum(OneRedis):
                 if self._too_many_down(fanned.errors):
                     raise self._unavailable(fanned.errors, "acquire")
             else:
-                floor = yield self._each(scripts.RAISE_FENCE, _fence_key, [grant.fence])
-                if self._too_many_down(floor.errors):
-                    # Without the floor on a majority, a later majority could
-                    # hand out a smaller fence: give the lock back instead.
-                    yield release_all
-                    raise self._unavailable(floor.errors, "record the fence of")
                 return grant
             if not attempt.blocking or (deadline is not None and time.monotonic() >= deadline):
                 return None
@@ -247,7 +249,8 @@ class Quorum(OneRedis):
     # -- release, extend, confirm ------------------------------------------------
 
     def release_steps(self, hold: Hold) -> Steps[bool]:
-        fanned = yield self._each(scripts.RELEASE, _queue_keys, [hold.token])
+        # The fence goes with it: the floor of each master's counter (see above).
+        fanned = yield self._each(scripts.RELEASE, _queue_keys, [hold.token, "", hold.fence])
         if len(fanned.errors) >= self.quorum:
             # Too few masters answered to tell; the leases end by themselves.
             raise self._unavailable(fanned.errors, "release")
@@ -267,7 +270,9 @@ class Quorum(OneRedis):
         return marked + len(fanned.errors) >= self.quorum
 
     def extend_steps(self, hold: Hold, ttl: float) -> Steps[bool]:
-        fanned = yield self._each(scripts.EXTEND, _lock_key, [hold.token, scripts.lease_ms(ttl)])
+        fanned = yield self._each(
+            scripts.EXTEND, _fence_keys, [hold.token, scripts.lease_ms(ttl), hold.fence]
+        )
         for alias, reply in fanned.replies.items():
             if reply:
                 hold.confirm(alias, fanned.sent, ttl)
@@ -286,7 +291,7 @@ class Quorum(OneRedis):
         if self._too_many_down(fanned.errors):
             raise self._unavailable(fanned.errors, "inspect")
         states = []
-        for holder, pttl, owner, mine, shared, owners in fanned.replies.values():
+        for holder, pttl, owner, mine, shared, owners, _fence in fanned.replies.values():
             holders = {decode(holder): decode(owner)} if holder else {}
             holders.update(zip(map(decode, shared), map(decode, owners), strict=True))
             states.append(_State(holders, int(pttl), int(mine)))
@@ -337,5 +342,6 @@ def _lock_key(keys: LockKeys) -> tuple[str, ...]:
     return (keys.lock,)
 
 
-def _fence_key(keys: LockKeys) -> tuple[str, ...]:
-    return (keys.fence,)
+def _fence_keys(keys: LockKeys) -> tuple[str, ...]:
+    """The lock and its fence counter: EXTEND with a floor."""
+    return (keys.lock, keys.fence)

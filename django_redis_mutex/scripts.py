@@ -67,7 +67,6 @@ __all__ = [
     "HELD_ALONE",
     "MARK_TRANSACTION",
     "MIGRATION_PROBE",
-    "RAISE_FENCE",
     "READ_STATE",
     "RELEASE",
     "RESET",
@@ -123,6 +122,22 @@ local function ensure_settled()
     error({{err = 'TRYAGAIN the slot of this lock is being migrated'}})
   end
   settled = true
+end
+"""
+
+# A quorum hold's fence, written to a master's fence counter (KEYS[2]) as a
+# floor when the hold is renewed or given back there, or when an operator
+# resets the lock: the next majority, which overlaps this hold's in a master
+# that held it, counts on from above it (see quorum.py). Also keeps the
+# counter of a long hold from expiring. No floor ('' or none): nothing.
+_FLOOR = rf"""
+local function raise_floor(floor)
+  if not floor or floor == '' then return end
+  if tonumber(redis.call('GET', KEYS[2]) or '0') < tonumber(floor) then
+    redis.call('SET', KEYS[2], floor, 'PX', {int(FENCE_RETENTION * 1000)})
+  else
+    redis.call('PEXPIRE', KEYS[2], {int(FENCE_RETENTION * 1000)})
+  end
 end
 """
 
@@ -605,11 +620,16 @@ RELEASE = LuaScript(
     "release",
     summary="Give the lock (or a shared hold) back, handing it to the first live waiter.",
     keys=(*_LOCK_KEYS, "[wake: the wake-up list of the waiter the holder expects next]"),
-    argv=("token", "[successor: that waiter's token, with its wake-up list]"),
+    argv=(
+        "token",
+        "[successor: that waiter's token, with its wake-up list, or '']",
+        "[floor: a quorum hold's fence, for the fence counter]",
+    ),
     returns="0 when the caller did not hold the lock (nothing is touched), 1 when released"
     " with nobody to hand it to, 2 when handed to the expected waiter and woken, else the"
     " token(s) of the waiter(s) it was handed to, space-separated, to WAKE",
     source=_MIGRATING
+    + _FLOOR
     + r"""
 local found = redis.call('HMGET', KEYS[1], 'token', 'queued', 'limit', 'acquired')
 local shared = nil
@@ -620,6 +640,7 @@ if found[1] ~= ARGV[1] then
   ensure_settled()
 elseif not found[2] then
   -- Nobody waits: the lock is all there is to delete.
+  raise_floor(ARGV[3])
   redis.call('DEL', KEYS[1])
   return 1
 end
@@ -643,9 +664,12 @@ else
   redis.call('HDEL', KEYS[1], 'r:' .. ARGV[1])
   live = live_readers(now_ms)
   if ended then return 0 end
+  raise_floor(ARGV[3])
   if not found[2] then return 1 end
 end
-local handed = hand_off(ARGV[2] and {ARGV[2], KEYS[5]}, live)
+if not shared then raise_floor(ARGV[3]) end
+local successor = ARGV[2] ~= '' and ARGV[2]
+local handed = hand_off(successor and {successor, KEYS[5]}, live)
 if handed == false then
   -- Nobody live to take it: the lock is free.
   if kept_lock then redis.call('DEL', KEYS[1]) end
@@ -660,12 +684,14 @@ return handed
 EXTEND = LuaScript(
     "extend",
     summary="Set the caller's lease to ttl from now.",
-    keys=("lock",),
-    argv=("token", "ttl ms"),
+    keys=("lock", "[fence: with a floor]"),
+    argv=("token", "ttl ms", "[floor: a quorum hold's fence, for the fence counter]"),
     returns="1 when renewed, 0 when the caller does not hold the lock",
-    source=r"""
+    source=_FLOOR
+    + r"""
 if redis.call('HGET', KEYS[1], 'token') == ARGV[1] then
   redis.call('PEXPIRE', KEYS[1], ARGV[2])
+  raise_floor(ARGV[3])
   return 1
 end
 -- A shared holder: its own lease, in its record; the hash lives as long as
@@ -683,6 +709,7 @@ end
 local ttl = tonumber(ARGV[2])
 redis.call('HSET', KEYS[1], field, (now_ms + ttl) .. string.sub(record, sep))
 if redis.call('PTTL', KEYS[1]) < ttl then redis.call('PEXPIRE', KEYS[1], ttl) end
+raise_floor(ARGV[3])
 return 1
 """,
 )
@@ -735,13 +762,15 @@ RESET = LuaScript(
     "reset",
     summary="Force release whoever holds the lock, or every permit of a semaphore.",
     keys=_LOCK_KEYS,
-    argv=(),
+    argv=("[floor: on a quorum, the largest fence its masters' holders have]",),
     returns="{how many held it (an exclusive holder, or each shared holder or permit whose"
     " lease had not ended), '' or the token(s) of the waiter(s) handed the lock, to WAKE}",
     source=_MIGRATING
+    + _FLOOR
     + r"""
 if redis.call('EXISTS', KEYS[1]) == 0 then return {0, ''} end
 ensure_settled()
+raise_floor(ARGV[1])
 local fields = redis.call('HGETALL', KEYS[1])
 redis.call('DEL', KEYS[1])
 """
@@ -864,20 +893,21 @@ READ_STATE = LuaScript(
     argv=("token: the caller's, or ''",),
     returns="{exclusive holder's token or '', pttl ms of the lock (-2: no lock), its owner"
     " JSON or '', ms left of the token's hold here (0: none), the live shared holders'"
-    " tokens, their owner JSONs}",
+    " tokens, their owner JSONs, the largest fence of the holders here (0: none)}",
     source=r"""
-local token = redis.call('HGET', KEYS[1], 'token')
+local found = redis.call('HMGET', KEYS[1], 'token', 'owner', 'fence')
+local token = found[1]
 local pttl = redis.call('PTTL', KEYS[1])
 if token then
   local mine = 0
   if token == ARGV[1] then mine = pttl end
-  return {token, pttl, redis.call('HGET', KEYS[1], 'owner') or '', mine, {}, {}}
+  return {token, pttl, found[2] or '', mine, {}, {}, found[3] or '0'}
 end
 -- Held shared, or not at all: '<lease end ms>|<fence>|<taken ms>|<owner JSON>' each.
 local clock = redis.call('TIME')
 local now_ms = tonumber(clock[1]) * 1000 + math.floor(tonumber(clock[2]) / 1000)
 local fields = redis.call('HGETALL', KEYS[1])
-local tokens, owners, mine = {}, {}, 0
+local tokens, owners, mine, fence = {}, {}, 0, '0'
 for i = 1, #fields, 2 do
   if string.sub(fields[i], 1, 2) == 'r:' then
     local record = fields[i + 1]
@@ -889,30 +919,15 @@ for i = 1, #fields, 2 do
       tokens[#tokens + 1] = string.sub(fields[i], 3)
       owners[#owners + 1] = string.sub(record, c + 1)
       if tokens[#tokens] == ARGV[1] then mine = ends - now_ms end
+      local held = string.sub(record, a + 1, b - 1)
+      if tonumber(held) > tonumber(fence) then fence = held end
     end
   end
 end
-return {'', pttl, '', mine, tokens, owners}
+return {'', pttl, '', mine, tokens, owners, fence}
 """,
 )
 
-
-# Sent to every master after a quorum acquisition, so the next majority (which
-# overlaps this one) counts on from above the fence handed out.
-RAISE_FENCE = LuaScript(
-    "raise_fence",
-    summary="Raise the fence counter to at least a fence.",
-    keys=("fence",),
-    argv=("fence: the one handed out",),
-    returns="1 if the counter moved, else 0",
-    source=f"local FENCE_RETENTION = {int(FENCE_RETENTION * 1000)}\n"
-    + r"""
-local current = tonumber(redis.call('GET', KEYS[1]) or '0')
-if current >= tonumber(ARGV[1]) then return 0 end
-redis.call('SET', KEYS[1], ARGV[1], 'PX', FENCE_RETENTION)
-return 1
-""",
-)
 
 # Every script the locks run, for what reads their contracts (the docs, the tests).
 SCRIPTS = (
@@ -926,7 +941,6 @@ SCRIPTS = (
     MARK_TRANSACTION,
     HELD_ALONE,
     READ_STATE,
-    RAISE_FENCE,
 )
 
 

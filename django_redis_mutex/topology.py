@@ -22,7 +22,7 @@ from . import deadlock, scripts
 from .conf import MutexSettings
 from .driver import REDIS_TICK, Acknowledged, Pop, Script, Sleep, Steps
 from .exceptions import LockNotReplicated
-from .handoff import handed_to, parse_wakeup, wake_steps
+from .handoff import handed_to, parse_wakeup, read_state_steps, wake_steps
 from .holds import Attempt, Hold, decode, owner_metadata
 from .keys import LockKeys
 from .owners import Owner, mark_transaction, parse_owner
@@ -351,8 +351,7 @@ class OneRedis:
 
     def _state_steps(self, token: str) -> Steps[list[Any]]:
         """Return what READ_STATE says of the lock, and of ``token``'s hold."""
-        _sent, state = yield Script(self.alias, scripts.READ_STATE, (self.keys.lock,), [token])
-        return list(state)
+        return read_state_steps(self.alias, self.keys, token)
 
     def time_left_steps(self, hold: Hold | None) -> Steps[float]:
         """Return the seconds left of ``hold``'s lease, exclusive or shared, at one instant."""
@@ -373,7 +372,7 @@ class OneRedis:
 
         For a lock held shared, its first live shared holder's.
         """
-        holder, _pttl, owner, _mine, _shared, owners = yield from self._state_steps("")
+        holder, _pttl, owner, _mine, _shared, owners, _fence = yield from self._state_steps("")
         if decode(holder):
             return parse_owner(decode(owner)) or ""
         if owners:

@@ -437,7 +437,7 @@ def test_every_key_a_script_touches_is_declared_in_its_keys(
         keys_of.close()
     ran = {run.script for run in runs}
     assert ran >= {
-        *("acquire", "release", "cancel", "reset", "extend", "wake", "raise_fence"),
+        *("acquire", "release", "cancel", "reset", "extend", "wake"),
         *("held_alone", "mark_transaction"),
     }
     # Both ways of waking a waiter ran: inside RELEASE, and by WAKE.
@@ -719,9 +719,9 @@ CASES: dict[str, tuple[lock_scripts.LuaScript, Callable[[int, LockKeys], Called]
         lock_scripts.READ_STATE,
         contended(lambda k, h, w: [k.lock], lambda h, w: [h]),
     ),
-    "raise_fence": (
-        lock_scripts.RAISE_FENCE,
-        contended(lambda k, h, w: [k.fence], lambda h, w: [2**60]),
+    "extend with a floor": (
+        lock_scripts.EXTEND,
+        contended(lambda k, h, w: [k.lock, k.fence], lambda h, w: [h, 30_000, 2**60]),
     ),
 }
 

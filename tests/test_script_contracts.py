@@ -29,6 +29,7 @@ SAMPLE_ARGV = {
     "limit": 2,
     "successor": "t2",
     "fence": 5,
+    "floor": 7,
 }
 
 
