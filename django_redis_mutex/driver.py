@@ -286,8 +286,8 @@ def _ask(alias: str, op: Each, keys: tuple[str, ...]) -> Any:
     return scripts.run(get_member_client(alias, op.timeout), op.script, list(keys), op.args)
 
 
-def _answer(client: Any, connection: Any, op: Each, keys: tuple[str, ...]) -> Any:
-    """Return a master's answer to the EVALSHA sent on ``connection``.
+def _answer(client: Any, connection: Any, op: Each, keys: tuple[str, ...], packed: bool) -> Any:
+    """Return a master's answer to the EVALSHA sent on ``connection`` (``packed`` by us).
 
     A master that forgot the script loads it on that same connection.
     """
@@ -299,7 +299,9 @@ def _answer(client: Any, connection: Any, op: Each, keys: tuple[str, ...]) -> An
     return scripts.loading(
         lambda: command("EVALSHA", op.script.sha, len(keys), *keys, *op.args),
         lambda: command("SCRIPT", "LOAD", op.script.source),
-        sent=lambda: client.parse_response(connection, "EVALSHA"),
+        sent=connection.read_response
+        if packed
+        else lambda: client.parse_response(connection, "EVALSHA"),
     )
 
 
@@ -315,7 +317,7 @@ def _each(op: Each) -> Fanned:
     replies: dict[str, Any] = {}
     errors: dict[str, BaseException] = {}
     sent = time.monotonic()
-    in_flight: list[tuple[str, Any, Any, tuple[str, ...]]] = []
+    in_flight: list[tuple[str, Any, Any, tuple[str, ...], bool]] = []
     threaded: dict[concurrent.futures.Future[Any], str] = {}
     for alias, keys in op.calls:
         client = get_member_client(alias, op.timeout)
@@ -324,19 +326,23 @@ def _each(op: Each) -> Fanned:
             threaded[_pool().submit(_ask, alias, op, keys)] = alias
             continue
         connection = None
+        packed = scripts.packed_evalsha(client, op.script, keys, op.args)
         try:
             connection = pool.get_connection()
-            connection.send_command("EVALSHA", op.script.sha, len(keys), *keys, *op.args)
+            if packed is None:
+                connection.send_command("EVALSHA", op.script.sha, len(keys), *keys, *op.args)
+            else:
+                connection.send_packed_command([packed])
         except _MASTER_ERRORS as exc:
             errors[alias] = exc
             if connection is not None:
                 connection.disconnect()
                 pool.release(connection)
             continue
-        in_flight.append((alias, client, connection, keys))
-    for alias, client, connection, keys in in_flight:
+        in_flight.append((alias, client, connection, keys, packed is not None))
+    for alias, client, connection, keys, direct in in_flight:
         try:
-            replies[alias] = _answer(client, connection, op, keys)
+            replies[alias] = _answer(client, connection, op, keys, direct)
         except _MASTER_ERRORS as exc:
             errors[alias] = exc
             connection.disconnect()

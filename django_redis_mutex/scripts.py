@@ -79,6 +79,7 @@ __all__ = [
     "arun_acknowledged",
     "lease_ms",
     "loading",
+    "packed_evalsha",
     "required",
     "run",
     "run_acknowledged",
@@ -1047,6 +1048,18 @@ def _direct_pool(client: Any) -> Any:
     if hasattr(execute, "__wrapped__"):
         return None
     return pool
+
+
+def packed_evalsha(
+    client: Any, script: LuaScript, keys: Sequence[str], args: Sequence[Any]
+) -> bytes | None:
+    """Return EVALSHA of ``script`` packed for ``client``'s connections, or None.
+
+    None when its commands must go through redis-py's own packing (see
+    :func:`_direct_pool`); a quorum writes the packed request to each master's
+    connection itself.
+    """
+    return None if _direct_pool(client) is None else _pack(script, keys, args)
 
 
 @lru_cache(maxsize=4096)
