@@ -11,6 +11,7 @@ one.
 
 from __future__ import annotations
 
+import pytest
 import redis
 
 from django_redis_mutex import Mutex, mutex, reset
@@ -55,30 +56,19 @@ def test_an_uncontended_quorum_cycle_is_two_rounds(
     assert [b - a for a, b in zip(before, after, strict=True)] == [2, 2, 2]
 
 
+@pytest.mark.parametrize("shared", [False, True], ids=["exclusive", "shared"])
 def test_a_release_raises_the_next_majoritys_fence(
     quorum_caches: list[RedisServer],  # noqa: F811
+    shared: bool,
 ) -> None:
     ahead = run_ahead(quorum_caches[0], "r1", "released")
-    with mutex("released", using=ALIASES) as first:
+    with mutex("released", shared=shared, using=ALIASES) as first:
         first_fence = first.fence
     assert first_fence is not None and first_fence > ahead
 
     quorum_caches[0].kill()
     with mutex("released", using=ALIASES) as second:
         assert second.fence is not None and second.fence > first_fence
-
-
-def test_a_shared_release_raises_the_next_majoritys_fence(
-    quorum_caches: list[RedisServer],  # noqa: F811
-) -> None:
-    ahead = run_ahead(quorum_caches[0], "r1", "read")
-    with mutex("read", shared=True, using=ALIASES) as reader:
-        reader_fence = reader.fence
-    assert reader_fence is not None and reader_fence > ahead
-
-    quorum_caches[0].kill()
-    with mutex("read", using=ALIASES) as writer:
-        assert writer.fence is not None and writer.fence > reader_fence
 
 
 def test_a_renewal_raises_the_fence_before_a_dead_holders_lease_ends(
