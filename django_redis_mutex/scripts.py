@@ -668,7 +668,11 @@ else
   raise_floor(ARGV[3])
   if not found[2] then return 1 end
 end
-if not shared then raise_floor(ARGV[3]) end
+if not shared and ARGV[3] and ARGV[3] ~= '' then
+  -- A floor is written before the hand-off may have to forget lapsed places.
+  ensure_settled()
+  raise_floor(ARGV[3])
+end
 local successor = ARGV[2] ~= '' and ARGV[2]
 local handed = hand_off(successor and {successor, KEYS[5]}, live)
 if handed == false then
