@@ -621,7 +621,9 @@ def _reset(name: str, using: str | Sequence[str], kind: _Kind, token: str | None
     validate_name(name)
     ensure_resettable(using, kind.noun)
     masters = _Masters(using, name)
-    floor = _largest_fence(masters, kind, name) if len(masters.aliases) > 1 else None
+    floor = None
+    if masters.members:
+        floor = _largest_fence(masters, lambda alias: kind.keys(namespace(alias), name), name)
 
     def run(alias: str) -> int:
         keys = kind.keys(namespace(alias), name)
@@ -637,16 +639,18 @@ def _reset(name: str, using: str | Sequence[str], kind: _Kind, token: str | None
     return max(done.values(), default=0)
 
 
-def _largest_fence(masters: _Masters, kind: _Kind, name: str) -> int:
-    """Return the largest fence the holders of ``name`` have on any master of a quorum.
+def _largest_fence(
+    masters: _Masters, keys_of: Callable[[str], LockKeys], name: str | None = None
+) -> int:
+    """Return the largest fence the holders of one lock have on any master of a quorum.
 
-    The reset raises every master's fence counter to it as it frees the lock,
-    so the next majority's fence is larger (see quorum.py).
+    ``keys_of(alias)`` are the lock's keys on a master. The reset raises every
+    master's fence counter to it as it frees the lock, so the next majority's
+    fence is larger (see quorum.py).
     """
 
     def read(alias: str) -> int:
-        keys = kind.keys(namespace(alias), name)
-        return int(run_steps(read_state_steps(alias, keys))[6])
+        return int(run_steps(read_state_steps(alias, keys_of(alias)))[6])
 
     return max(masters.each(read, name).values(), default=0)
 
@@ -708,13 +712,19 @@ def reset_all(using: str | Sequence[str] = "default") -> int:
     count = 0
     for tag in sorted(tags):
         # The same lock on every master: that master's namespace, the same tag.
-        count += any(masters.each(partial(_reset_tag, tag)).values())
+        floor = _largest_fence(masters, partial(_tag_keys, tag)) if masters.members else None
+        count += any(masters.each(partial(_reset_tag, tag, floor)).values())
     masters.check_reset("lock")
     return count
 
 
-def _reset_tag(tag: str, alias: str) -> int:
-    return run_steps(reset_steps(alias, LockKeys.for_lock_key(f"{namespace(alias)}:{tag}")))
+def _tag_keys(tag: str, alias: str) -> LockKeys:
+    """The keys on ``alias`` of the lock whose key ends in ``tag`` (its ``{name}``)."""
+    return LockKeys.for_lock_key(f"{namespace(alias)}:{tag}")
+
+
+def _reset_tag(tag: str, floor: int | None, alias: str) -> int:
+    return run_steps(reset_steps(alias, _tag_keys(tag, alias), floor))
 
 
 def reset_listed(listed: ListedLock, using: str | Sequence[str] = "default") -> bool:

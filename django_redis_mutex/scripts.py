@@ -119,12 +119,32 @@ local settled = false
 local function ensure_settled()
   if settled then return end
   local probe = redis.pcall('EXISTS', KEYS[1] .. '{MIGRATION_PROBE}')
-  if type(probe) == 'table' and probe.err ~= nil then
-    error({{err = 'TRYAGAIN the slot of this lock is being migrated'}})
-  end
+  if type(probe) == 'table' and probe.err ~= nil then error(MIGRATING) end
   settled = true
 end
 """
+
+
+def _guarded(source: str) -> str:
+    """Return ``source`` (which uses :data:`_MIGRATING`) run so its refusal is a TRYAGAIN reply.
+
+    ensure_settled is called deep inside helpers, so it leaves by raising a
+    sentinel, caught here and answered with an error reply from the top
+    level: Redis 6.2 turns only a string raised by ``error()`` into a reply
+    (and not into a TRYAGAIN one), Redis 7 a table too. Any other error is
+    raised again as it was.
+    """
+    return (
+        "local MIGRATING = {}\n"
+        "local function body()\n" + source + "\nend\n"
+        "local ok, result = pcall(body)\n"
+        "if ok then return result end\n"
+        "if result == MIGRATING then\n"
+        "  return redis.error_reply('TRYAGAIN the slot of this lock is being migrated')\n"
+        "end\n"
+        "error(result, 0)\n"
+    )
+
 
 # A quorum hold's fence, written to a master's fence counter (KEYS[2]) as a
 # floor when the hold is renewed or given back there, or when an operator
@@ -491,16 +511,17 @@ ACQUIRE = LuaScript(
     " just handed the expired lock, to WAKE, ms the holder has held it (-1: not known)};"
     " while the lock is held shared, the holder is the longest held of a semaphore's and the"
     " latest taken of a shared lock's",
-    source=_GRANTING
-    + r"""
+    source=_guarded(
+        _GRANTING
+        + r"""
 if redis.call('EXISTS', KEYS[1], KEYS[3]) == 0 then
   -- Free and nobody waiting: the common, uncontended case, in one lookup.
   return grant(token, ARGV[2], owner, false)
 end
 local ttl = tonumber(ARGV[2])
 """
-    + _QUEUE
-    + r"""
+        + _QUEUE
+        + r"""
 -- The holder's token, owner record and queued flag, read once: a refused
 -- caller answers with the owner (and how long it has held the lock, from its
 -- fence and acquired fields) and joins the line with the flag set.
@@ -531,7 +552,8 @@ if not holder and live_readers(now_ms) == 0 then
 end
 local pttl = nil
 """
-    + _JOIN_LINE,
+        + _JOIN_LINE
+    ),
 )
 
 
@@ -547,8 +569,9 @@ ACQUIRE_SHARED = LuaScript(
     argv=(*ACQUIRE.argv, "[limit: how many may hold at once, 0 for a shared lock]"),
     returns="as ACQUIRE's, and a {1, ...} answer may carry a fifth item: the shared waiters"
     " admitted with the caller, space-separated, for it to WAKE",
-    source=_GRANTING
-    + r"""
+    source=_guarded(
+        _GRANTING
+        + r"""
 LIMIT = tonumber(ARGV[5]) or 0
 if redis.call('EXISTS', KEYS[1], KEYS[3]) == 0 then
   return grant_shared(token, ARGV[2], owner)
@@ -556,8 +579,8 @@ end
 ensure_settled()
 local ttl = tonumber(ARGV[2])
 """
-    + _QUEUE
-    + r"""
+        + _QUEUE
+        + r"""
 local now_ms = math.floor(now / 1000)
 local mine = redis.call('HGET', KEYS[1], 'r:' .. token)
 if mine then
@@ -611,7 +634,8 @@ else
   end
 end
 """
-    + _JOIN_LINE,
+        + _JOIN_LINE
+    ),
 )
 
 # A shared holder's release hands the lock on when it was the last (to an
@@ -629,9 +653,10 @@ RELEASE = LuaScript(
     returns="0 when the caller did not hold the lock (nothing is touched), 1 when released"
     " with nobody to hand it to, 2 when handed to the expected waiter and woken, else the"
     " token(s) of the waiter(s) it was handed to, space-separated, to WAKE",
-    source=_MIGRATING
-    + _FLOOR
-    + r"""
+    source=_guarded(
+        _MIGRATING
+        + _FLOOR
+        + r"""
 local found = redis.call('HMGET', KEYS[1], 'token', 'queued', 'limit', 'acquired')
 local shared = nil
 if found[1] ~= ARGV[1] then
@@ -646,11 +671,11 @@ elseif not found[2] then
   return 1
 end
 """
-    + _CONSTANTS
-    + _CLOCK
-    + _GRANT
-    + _QUEUE
-    + r"""
+        + _CONSTANTS
+        + _CLOCK
+        + _GRANT
+        + _QUEUE
+        + r"""
 LIMIT = tonumber(found[3]) or 0
 local live = 0
 if not shared then
@@ -682,7 +707,8 @@ if handed == false then
 end
 if handed == true then return 2 end
 return handed
-""",
+"""
+    ),
 )
 
 # A lock that is gone is never re-created: a renewal must not resurrect it.
@@ -729,12 +755,13 @@ CANCEL = LuaScript(
     returns="{1, fence, pttl ms, token first in line behind it or ''} when the lock had"
     " already been handed to the caller (it now holds it and must use or release it), else"
     " {0}, or {0, token(s)} of the waiter(s) handed the lock, to WAKE",
-    source=_CONSTANTS
-    + _MIGRATING
-    + _CLOCK
-    + _GRANT
-    + _QUEUE
-    + r"""
+    source=_guarded(
+        _CONSTANTS
+        + _MIGRATING
+        + _CLOCK
+        + _GRANT
+        + _QUEUE
+        + r"""
 ensure_settled()
 local token = ARGV[1]
 LIMIT = tonumber(ARGV[2]) or 0
@@ -758,7 +785,8 @@ if not holder then
   if handed then return {0, handed} end
 end
 return {0}
-""",
+"""
+    ),
 )
 
 # An operator's action: the waiters keep their places, and the first is handed
@@ -770,20 +798,21 @@ RESET = LuaScript(
     argv=("[floor: on a quorum, the largest fence its masters' holders have]",),
     returns="{how many held it (an exclusive holder, or each shared holder or permit whose"
     " lease had not ended), '' or the token(s) of the waiter(s) handed the lock, to WAKE}",
-    source=_MIGRATING
-    + _FLOOR
-    + r"""
+    source=_guarded(
+        _MIGRATING
+        + _FLOOR
+        + r"""
 if redis.call('EXISTS', KEYS[1]) == 0 then return {0, ''} end
 ensure_settled()
 raise_floor(ARGV[1])
 local fields = redis.call('HGETALL', KEYS[1])
 redis.call('DEL', KEYS[1])
 """
-    + _CONSTANTS
-    + _CLOCK
-    + _GRANT
-    + _QUEUE
-    + r"""
+        + _CONSTANTS
+        + _CLOCK
+        + _GRANT
+        + _QUEUE
+        + r"""
 local now_ms = math.floor(now / 1000)
 local holders = 0
 for i = 1, #fields, 2 do
@@ -799,7 +828,8 @@ end
 local woken = hand_off(nil, 0)
 if type(woken) ~= 'string' then woken = '' end
 return {holders, woken}
-""",
+"""
+    ),
 )
 
 

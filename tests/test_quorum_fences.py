@@ -14,8 +14,9 @@ from __future__ import annotations
 import pytest
 import redis
 
-from django_redis_mutex import Mutex, mutex, reset
+from django_redis_mutex import Mutex, mutex, reset, reset_all
 from django_redis_mutex.client import namespace
+from django_redis_mutex.introspection import listed_locks, reset_listed
 from django_redis_mutex.keys import LockKeys
 from django_redis_mutex.testing import RedisServer
 from django_redis_mutex.watchdog import get_watchdog
@@ -99,8 +100,22 @@ def test_a_renewal_raises_the_fence_before_a_dead_holders_lease_ends(
         second.release()
 
 
+def reset_listed_hold(name: str) -> bool:
+    (listed,) = [entry for entry in listed_locks(using=ALIASES) if entry.held.name == name]
+    return reset_listed(listed, using=ALIASES)
+
+
+RESETS = {
+    "reset": lambda name: reset(name, using=ALIASES),
+    "reset_all": lambda name: reset_all(using=ALIASES) == 1,
+    "reset_listed": reset_listed_hold,
+}
+
+
+@pytest.mark.parametrize("how", list(RESETS))
 def test_a_reset_raises_the_next_majoritys_fence(
     quorum_caches: list[RedisServer],  # noqa: F811
+    how: str,
 ) -> None:
     run_ahead(quorum_caches[0], "r1", "reset")
     first = Mutex("reset", using=ALIASES, watchdog=False, ttl=30)
@@ -108,7 +123,7 @@ def test_a_reset_raises_the_next_majoritys_fence(
     first_fence = first.fence
     assert first_fence is not None
 
-    assert reset("reset", using=ALIASES)
+    assert RESETS[how]("reset")
     quorum_caches[0].kill()
     with mutex("reset", using=ALIASES) as second:
         assert second.fence is not None and second.fence > first_fence
