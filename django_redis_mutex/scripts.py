@@ -108,42 +108,29 @@ MIGRATION_PROBE = ":never"
 # when every key it declares is still on the node, but a key the script then
 # empties (the last waiter leaving the queue, a released lock) is no longer
 # "local", and touching it again stops the script half-way, after its first
-# writes. A path that may empty a key and go on calls ensure_settled before
-# its first write: a key of the lock's slot that never exists is looked up,
-# which Redis refuses only while the slot migrates, and the script answers
-# TRYAGAIN (retried by the client, then LockBackendUnavailable) having changed
-# nothing. The contended cycle's common paths (joining the line, handing an
-# exclusive lock to a live waiter) empty nothing they touch again, and skip it.
+# writes. A path that may empty a key and go on looks first, before its first
+# write: a key of the lock's slot that never exists is looked up, which Redis
+# refuses only while the slot migrates, and the script answers TRYAGAIN
+# (retried by the client, then LockBackendUnavailable) having changed nothing.
+# The contended cycle's common paths (joining the line, handing an exclusive
+# lock to a live waiter) empty nothing they touch again, and skip it. The
+# answer is an error reply returned from the script's top level: Redis 6.2
+# makes no TRYAGAIN reply of an error raised with error().
 _MIGRATING = rf"""
 local settled = false
-local function ensure_settled()
-  if settled then return end
+local MIGRATING = 'TRYAGAIN the slot of this lock is being migrated'
+local function slot_migrating()
+  if settled then return false end
   local probe = redis.pcall('EXISTS', KEYS[1] .. '{MIGRATION_PROBE}')
-  if type(probe) == 'table' and probe.err ~= nil then error(MIGRATING) end
-  settled = true
+  settled = not (type(probe) == 'table' and probe.err ~= nil)
+  return not settled
+end
+-- Inside helpers, which cannot return the reply: every path that reaches one
+-- looked at the top level already, so this only stops a path that did not.
+local function ensure_settled()
+  if slot_migrating() then error(MIGRATING) end
 end
 """
-
-
-def _guarded(source: str) -> str:
-    """Return ``source`` (which uses :data:`_MIGRATING`) run so its refusal is a TRYAGAIN reply.
-
-    ensure_settled is called deep inside helpers, so it leaves by raising a
-    sentinel, caught here and answered with an error reply from the top
-    level: Redis 6.2 turns only a string raised by ``error()`` into a reply
-    (and not into a TRYAGAIN one), Redis 7 a table too. Any other error is
-    raised again as it was.
-    """
-    return (
-        "local MIGRATING = {}\n"
-        "local function body()\n" + source + "\nend\n"
-        "local ok, result = pcall(body)\n"
-        "if ok then return result end\n"
-        "if result == MIGRATING then\n"
-        "  return redis.error_reply('TRYAGAIN the slot of this lock is being migrated')\n"
-        "end\n"
-        "error(result, 0)\n"
-    )
 
 
 # A quorum hold's fence, written to a master's fence counter (KEYS[2]) as a
@@ -277,16 +264,25 @@ local function waiter_terms(record)
   return ttl and tonumber(string.sub(record, 1, a - 1)), {ttl, string.sub(record, (b or 0) + 1)}
 end
 
+-- The first two in line, and the first one's record: {head, next, record}.
+local function peek_line()
+  local pair = redis.call('ZRANGE', KEYS[3], 0, 1)
+  if pair[1] then pair[3] = redis.call('HGET', KEYS[4], pair[1]) end
+  return pair
+end
+
 -- The first waiter in line whose place is still live, its terms, and the
 -- token right behind it (a hint: that one may have lapsed); nil when nobody
--- live waits. Lapsed places met first are forgotten on the way.
-local function first_live(now_ms)
+-- live waits. Lapsed places met first are forgotten on the way. ``peeked``:
+-- what peek_line read, if the caller looked already.
+local function first_live(now_ms, peeked)
   while true do
-    local pair = redis.call('ZRANGE', KEYS[3], 0, 1)
-    local head = pair[1]
+    local line = peeked or peek_line()
+    peeked = nil
+    local head = line[1]
     if not head then return nil end
-    local ends, terms = waiter_terms(redis.call('HGET', KEYS[4], head))
-    if ends and ends > now_ms then return head, terms, pair[2] end
+    local ends, terms = waiter_terms(line[3])
+    if ends and ends > now_ms then return head, terms, line[2] end
     ensure_settled()  -- forgetting it may empty the line, read again next
     forget_waiter(head)
   end
@@ -409,8 +405,8 @@ end
 -- Give the first live waiter what ``live`` shared holders leave of the lock
 -- (all of it when 0; room beside them for shared waiters): as hand_to, false
 -- when nobody can be admitted.
-local function hand_off(expected, live)
-  local head, terms, after = first_live(math.floor(now / 1000))
+local function hand_off(expected, live, peeked)
+  local head, terms, after = first_live(math.floor(now / 1000), peeked)
   if not head or (live > 0 and not is_shared(head)) then return false end
   return hand_to(head, terms, after, expected, live)
 end
@@ -511,17 +507,16 @@ ACQUIRE = LuaScript(
     " just handed the expired lock, to WAKE, ms the holder has held it (-1: not known)};"
     " while the lock is held shared, the holder is the longest held of a semaphore's and the"
     " latest taken of a shared lock's",
-    source=_guarded(
-        _GRANTING
-        + r"""
+    source=_GRANTING
+    + r"""
 if redis.call('EXISTS', KEYS[1], KEYS[3]) == 0 then
   -- Free and nobody waiting: the common, uncontended case, in one lookup.
   return grant(token, ARGV[2], owner, false)
 end
 local ttl = tonumber(ARGV[2])
 """
-        + _QUEUE
-        + r"""
+    + _QUEUE
+    + r"""
 -- The holder's token, owner record and queued flag, read once: a refused
 -- caller answers with the owner (and how long it has held the lock, from its
 -- fence and acquired fields) and joins the line with the flag set.
@@ -536,7 +531,7 @@ end
 local now_ms = math.floor(now / 1000)
 local woken = ''
 -- Ended shared records or lapsed places dropped below can empty a key read again.
-if not holder then ensure_settled() end
+if not holder and slot_migrating() then return redis.error_reply(MIGRATING) end
 if not holder and live_readers(now_ms) == 0 then
   local head, terms, after = first_live(now_ms)
   if (not head) or head == token then
@@ -552,8 +547,7 @@ if not holder and live_readers(now_ms) == 0 then
 end
 local pttl = nil
 """
-        + _JOIN_LINE
-    ),
+    + _JOIN_LINE,
 )
 
 
@@ -569,18 +563,17 @@ ACQUIRE_SHARED = LuaScript(
     argv=(*ACQUIRE.argv, "[limit: how many may hold at once, 0 for a shared lock]"),
     returns="as ACQUIRE's, and a {1, ...} answer may carry a fifth item: the shared waiters"
     " admitted with the caller, space-separated, for it to WAKE",
-    source=_guarded(
-        _GRANTING
-        + r"""
+    source=_GRANTING
+    + r"""
 LIMIT = tonumber(ARGV[5]) or 0
 if redis.call('EXISTS', KEYS[1], KEYS[3]) == 0 then
   return grant_shared(token, ARGV[2], owner)
 end
-ensure_settled()
+if slot_migrating() then return redis.error_reply(MIGRATING) end
 local ttl = tonumber(ARGV[2])
 """
-        + _QUEUE
-        + r"""
+    + _QUEUE
+    + r"""
 local now_ms = math.floor(now / 1000)
 local mine = redis.call('HGET', KEYS[1], 'r:' .. token)
 if mine then
@@ -634,8 +627,7 @@ else
   end
 end
 """
-        + _JOIN_LINE
-    ),
+    + _JOIN_LINE,
 )
 
 # A shared holder's release hands the lock on when it was the last (to an
@@ -653,17 +645,16 @@ RELEASE = LuaScript(
     returns="0 when the caller did not hold the lock (nothing is touched), 1 when released"
     " with nobody to hand it to, 2 when handed to the expected waiter and woken, else the"
     " token(s) of the waiter(s) it was handed to, space-separated, to WAKE",
-    source=_guarded(
-        _MIGRATING
-        + _FLOOR
-        + r"""
+    source=_MIGRATING
+    + _FLOOR
+    + r"""
 local found = redis.call('HMGET', KEYS[1], 'token', 'queued', 'limit', 'acquired')
 local shared = nil
 if found[1] ~= ARGV[1] then
   if found[1] then return 0 end
   shared = redis.call('HGET', KEYS[1], 'r:' .. ARGV[1])
   if not shared then return 0 end
-  ensure_settled()
+  if slot_migrating() then return redis.error_reply(MIGRATING) end
 elseif not found[2] then
   -- Nobody waits: the lock is all there is to delete.
   raise_floor(ARGV[3])
@@ -671,11 +662,11 @@ elseif not found[2] then
   return 1
 end
 """
-        + _CONSTANTS
-        + _CLOCK
-        + _GRANT
-        + _QUEUE
-        + r"""
+    + _CONSTANTS
+    + _CLOCK
+    + _GRANT
+    + _QUEUE
+    + r"""
 LIMIT = tonumber(found[3]) or 0
 local live = 0
 if not shared then
@@ -693,13 +684,22 @@ else
   raise_floor(ARGV[3])
   if not found[2] then return 1 end
 end
-if not shared and ARGV[3] and ARGV[3] ~= '' then
-  -- A floor is written before the hand-off may have to forget lapsed places.
-  ensure_settled()
+local peeked = nil
+if not shared then
+  -- Nothing written yet. Forgetting a lapsed first waiter, or a fresh hash for
+  -- a shared one, may touch an emptied key again, and a floor is a write
+  -- before them: look at the slot first then.
+  peeked = peek_line()
+  local settle = ARGV[3] and ARGV[3] ~= ''
+  if peeked[1] then
+    local ends = waiter_terms(peeked[3])
+    settle = settle or is_shared(peeked[1]) or not (ends and ends > math.floor(now / 1000))
+  end
+  if settle and slot_migrating() then return redis.error_reply(MIGRATING) end
   raise_floor(ARGV[3])
 end
 local successor = ARGV[2] ~= '' and ARGV[2]
-local handed = hand_off(successor and {successor, KEYS[5]}, live)
+local handed = hand_off(successor and {successor, KEYS[5]}, live, peeked)
 if handed == false then
   -- Nobody live to take it: the lock is free.
   if kept_lock then redis.call('DEL', KEYS[1]) end
@@ -707,8 +707,7 @@ if handed == false then
 end
 if handed == true then return 2 end
 return handed
-"""
-    ),
+""",
 )
 
 # A lock that is gone is never re-created: a renewal must not resurrect it.
@@ -755,14 +754,13 @@ CANCEL = LuaScript(
     returns="{1, fence, pttl ms, token first in line behind it or ''} when the lock had"
     " already been handed to the caller (it now holds it and must use or release it), else"
     " {0}, or {0, token(s)} of the waiter(s) handed the lock, to WAKE",
-    source=_guarded(
-        _CONSTANTS
-        + _MIGRATING
-        + _CLOCK
-        + _GRANT
-        + _QUEUE
-        + r"""
-ensure_settled()
+    source=_CONSTANTS
+    + _MIGRATING
+    + _CLOCK
+    + _GRANT
+    + _QUEUE
+    + r"""
+if slot_migrating() then return redis.error_reply(MIGRATING) end
 local token = ARGV[1]
 LIMIT = tonumber(ARGV[2]) or 0
 forget_waiter(token)
@@ -781,12 +779,11 @@ end
 if not holder then
   -- Free, or shared holders have it and shared waiters now first in line may
   -- join them.
-  local handed = hand_off(nil, live_readers(now_ms))
+  local handed = hand_off(nil, (live_readers(now_ms)))
   if handed then return {0, handed} end
 end
 return {0}
-"""
-    ),
+""",
 )
 
 # An operator's action: the waiters keep their places, and the first is handed
@@ -798,21 +795,20 @@ RESET = LuaScript(
     argv=("[floor: on a quorum, the largest fence its masters' holders have]",),
     returns="{how many held it (an exclusive holder, or each shared holder or permit whose"
     " lease had not ended), '' or the token(s) of the waiter(s) handed the lock, to WAKE}",
-    source=_guarded(
-        _MIGRATING
-        + _FLOOR
-        + r"""
+    source=_MIGRATING
+    + _FLOOR
+    + r"""
 if redis.call('EXISTS', KEYS[1]) == 0 then return {0, ''} end
-ensure_settled()
+if slot_migrating() then return redis.error_reply(MIGRATING) end
 raise_floor(ARGV[1])
 local fields = redis.call('HGETALL', KEYS[1])
 redis.call('DEL', KEYS[1])
 """
-        + _CONSTANTS
-        + _CLOCK
-        + _GRANT
-        + _QUEUE
-        + r"""
+    + _CONSTANTS
+    + _CLOCK
+    + _GRANT
+    + _QUEUE
+    + r"""
 local now_ms = math.floor(now / 1000)
 local holders = 0
 for i = 1, #fields, 2 do
@@ -828,8 +824,7 @@ end
 local woken = hand_off(nil, 0)
 if type(woken) ~= 'string' then woken = '' end
 return {holders, woken}
-"""
-    ),
+""",
 )
 
 
