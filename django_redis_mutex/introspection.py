@@ -621,12 +621,14 @@ def _reset(name: str, using: str | Sequence[str], kind: _Kind, token: str | None
     validate_name(name)
     ensure_resettable(using, kind.noun)
     masters = _Masters(using, name)
-    floor = None
-    if masters.members:
-        floor = _largest_fence(masters, lambda alias: kind.keys(namespace(alias), name), name)
+
+    def keys_of(alias: str) -> LockKeys:
+        return kind.keys(namespace(alias), name)
+
+    floor = _quorum_floor(masters, keys_of, name)
 
     def run(alias: str) -> int:
-        keys = kind.keys(namespace(alias), name)
+        keys = keys_of(alias)
         if token is None:
             return run_steps(reset_steps(alias, keys, floor))
         # The holder's own release script, so the compare on the token and the
@@ -639,15 +641,18 @@ def _reset(name: str, using: str | Sequence[str], kind: _Kind, token: str | None
     return max(done.values(), default=0)
 
 
-def _largest_fence(
+def _quorum_floor(
     masters: _Masters, keys_of: Callable[[str], LockKeys], name: str | None = None
-) -> int:
+) -> int | None:
     """Return the largest fence the holders of one lock have on any master of a quorum.
 
     ``keys_of(alias)`` are the lock's keys on a master. The reset raises every
     master's fence counter to it as it frees the lock, so the next majority's
-    fence is larger (see quorum.py).
+    fence is larger (see quorum.py). None for one Redis, whose counter gave
+    the fences itself.
     """
+    if not masters.members:
+        return None
 
     def read(alias: str) -> int:
         return int(run_steps(read_state_steps(alias, keys_of(alias)))[6])
@@ -712,7 +717,7 @@ def reset_all(using: str | Sequence[str] = "default") -> int:
     count = 0
     for tag in sorted(tags):
         # The same lock on every master: that master's namespace, the same tag.
-        floor = _largest_fence(masters, partial(_tag_keys, tag)) if masters.members else None
+        floor = _quorum_floor(masters, partial(_tag_keys, tag))
         count += any(masters.each(partial(_reset_tag, tag, floor)).values())
     masters.check_reset("lock")
     return count
