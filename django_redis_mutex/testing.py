@@ -9,6 +9,7 @@ tests the same way ours do: real Redis, no fakes.
 
 from __future__ import annotations
 
+import errno
 import os
 import shutil
 import signal
@@ -30,15 +31,18 @@ __all__ = [
     "find_redis_server",
     "free_port",
     "lock_acl_rules",
+    "port_is_free",
 ]
 
 # Every command the app sends to a lock alias's Redis, for a least-privilege
 # ACL user. Redis checks a script's own redis.call() commands and keys against
 # the caller's ACL too, so the commands the Lua scripts run are listed as well.
-LOCK_COMMANDS: tuple[str, ...] = (
-    # Sent by the app itself: scripts, blocking waits for a hand-off, and the
-    # reads of time_left()/owned()/locked()/owner(), held_locks() and reset_all()
-    # (a lock held shared keeps each holder's lease by the server clock: time).
+#
+# Sent by the app itself: scripts, blocking waits for a hand-off, and the reads
+# of time_left()/owned()/locked()/owner(), held_locks() and reset_all() (a lock
+# held shared keeps each holder's lease by the server clock: time). Scripts
+# run some of these too.
+SENT_COMMANDS: tuple[str, ...] = (
     "evalsha",
     "script|load",
     "blpop",
@@ -48,13 +52,11 @@ LOCK_COMMANDS: tuple[str, ...] = (
     "hgetall",
     "pttl",
     "exists",
-    "zcard",
     "time",
-    # Asked once per alias and process, and by the system check, `locks` and
-    # the admin: whether the server may evict lock keys (INFO memory), and how
-    # many keys it evicted (INFO stats). See django_redis_mutex.eviction.
-    "info",
-    # Run inside the Lua scripts (see django_redis_mutex.scripts).
+)
+# Run only inside the Lua scripts (see django_redis_mutex.scripts); a test
+# checks this against the scripts' redis.call()s.
+SCRIPT_COMMANDS: tuple[str, ...] = (
     "get",
     "set",
     "hset",
@@ -64,9 +66,12 @@ LOCK_COMMANDS: tuple[str, ...] = (
     "zadd",
     "zrem",
     "zrange",
-    "zrangebyscore",
     "rpush",
 )
+# Between them: asked once per alias and process, and by the system check,
+# `locks` and the admin: whether the server may evict lock keys (INFO memory),
+# and how many keys it evicted (INFO stats). See django_redis_mutex.eviction.
+LOCK_COMMANDS: tuple[str, ...] = (*SENT_COMMANDS, "info", *SCRIPT_COMMANDS)
 
 
 def find_redis_server() -> str:
@@ -113,7 +118,12 @@ def find_redis_server() -> str:
     )
 
 
-def _port_is_free(port: int) -> bool:
+def port_is_free(port: int) -> bool:
+    """Return True if nothing on this machine holds TCP ``port`` on 127.0.0.1 right now.
+
+    A server of a test's own that exited at start while this says False lost
+    its port to another process: pick another one (:func:`free_port`) and start again.
+    """
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         try:
             sock.bind(("127.0.0.1", port))
@@ -122,11 +132,22 @@ def _port_is_free(port: int) -> bool:
         return True
 
 
+def _ephemeral_floor() -> int:
+    """The lowest port the kernel hands to outgoing connections (32768 if unknown)."""
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range", encoding="ascii") as ports:
+            return int(ports.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
+
+
 def free_port(*, cluster: bool = False) -> int:
     """Return a TCP port on 127.0.0.1 that nothing listens on right now.
 
-    With ``cluster=True`` the port is at most 55535 and port + 10000 (the
-    cluster bus) is free too, as Redis Cluster requires.
+    With ``cluster=True`` port + 10000 (the cluster bus) is free too, as Redis
+    Cluster requires. Both then lie below the kernel's ephemeral range where
+    it leaves room, so an outgoing connection of another process cannot take
+    the bus port between this check and the node's start.
     """
     if not cluster:
         with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
@@ -134,9 +155,11 @@ def free_port(*, cluster: bool = False) -> int:
             return int(sock.getsockname()[1])
     import random
 
+    highest = _ephemeral_floor() - 10000 - 1
+    low, high = (10000, highest) if highest > 12000 else (20000, 45000)
     for _ in range(200):
-        port = random.randint(20000, 45000)
-        if _port_is_free(port) and _port_is_free(port + 10000):
+        port = random.randint(low, high)
+        if port_is_free(port) and port_is_free(port + 10000):
             return port
     raise RuntimeError("No free pair of ports for a Redis Cluster node.")
 
@@ -194,6 +217,10 @@ class RedisServer:
     ) -> None:
         self.binary = binary or find_redis_server()
         self.port = port or free_port(cluster=cluster)
+        # A port picked here may be taken by another process before the first
+        # start binds it; only then may start() move the server to another one.
+        self._may_move = port is None
+        self._cluster = cluster
         self.extra_args = list(extra_args or [])
         if cluster:
             self.extra_args += _options(
@@ -223,9 +250,24 @@ class RedisServer:
             return "(no log)"
 
     def start(self, timeout: float = 10.0) -> RedisServer:
-        """Start the server and return once it answers PING."""
+        """Start the server and return once it answers PING.
+
+        If the first start finds its picked port (or cluster bus port) taken
+        in the meantime, it picks another and tries again, a few times.
+        """
         if self.process is not None and self.process.poll() is None:
             return self
+        for _ in range(5):
+            try:
+                return self._start_once(timeout)
+            except OSError as error:
+                if not (self._may_move and error.errno == errno.EADDRINUSE):
+                    raise
+                self.port = free_port(cluster=self._cluster)
+                os.remove(self.logfile)  # the next attempt's log tells its own story
+        return self._start_once(timeout)
+
+    def _start_once(self, timeout: float) -> RedisServer:
         options = {
             "port": self.port,
             "bind": "127.0.0.1",
@@ -245,11 +287,16 @@ class RedisServer:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.process.poll() is not None:
-                raise RuntimeError(
+                tail = self.log_tail()
+                message = (
                     f"redis-server exited with {self.process.returncode} on port {self.port}: "
-                    f"{self.log_tail()}"
+                    f"{tail}"
                 )
+                if "Address already in use" in tail:
+                    raise OSError(errno.EADDRINUSE, message)
+                raise RuntimeError(message)
             if self.ping():
+                self._may_move = False
                 return self
             time.sleep(0.01)
         self.kill()
@@ -396,8 +443,12 @@ class RedisClusterServers:
         """
         import redis
 
-        for server in self.all_nodes:
-            server.start()
+        try:
+            for server in self.all_nodes:
+                server.start()
+        except BaseException:
+            self.close()  # the nodes already running would outlive the failed start
+            raise
         clients: list[Any] = [redis.Redis(port=server.port) for server in self.all_nodes]
         primaries = clients[: len(self.nodes)]
         try:

@@ -36,7 +36,7 @@ import uuid
 from types import TracebackType
 from typing import Any, TypeVar
 
-from django_redis_mutex.testing import free_port
+from django_redis_mutex.testing import free_port, port_is_free
 
 __all__ = [
     "MariaDBServer",
@@ -113,6 +113,7 @@ class _Server:
 
     def __init__(self, port: int | None = None) -> None:
         self.port = port or free_port()
+        self._port_picked = port is None
         self.host = "127.0.0.1"
         self.directory = tempfile.mkdtemp(prefix=f"django-redis-mutex-{self.kind.lower()}-")
         self.process: subprocess.Popen[bytes] | None = None
@@ -183,38 +184,49 @@ class _Server:
     def start(self: _S, timeout: float = START_TIMEOUT) -> _S:
         """Initialise the data directory, start the server and return once it is ready.
 
-        On any failure the process is stopped and the directory removed before
-        the error propagates.
+        A picked port another process took before the server bound it is
+        replaced by a fresh one, a few times. On any failure the process is
+        stopped and the directory removed before the error propagates.
         """
         try:
             deadline = time.monotonic() + timeout
             self._prepare()
-            with open(self.logfile, "ab") as log:
-                self.process = subprocess.Popen(
-                    self._command(),
-                    cwd=self.directory,
-                    stdin=subprocess.DEVNULL,
-                    stdout=log,
-                    stderr=subprocess.STDOUT,
-                    start_new_session=True,
-                    **self._process_options(),
-                )
-            while not self.ready():
-                if self.process.poll() is not None:
-                    raise RuntimeError(
-                        f"{self.kind} exited with status {self.process.returncode} on port "
-                        f"{self.port} before accepting connections. Its log:\n{self.log_tail()}"
-                    )
-                if time.monotonic() >= deadline:
-                    raise TimeoutError(
-                        f"{self.kind} on port {self.port} did not accept connections within "
-                        f"{timeout}s. Its log:\n{self.log_tail()}"
-                    )
-                time.sleep(0.05)
+            for _ in range(5):
+                if self._launch(deadline, timeout):
+                    return self
+                self.port = free_port()
+            raise RuntimeError(f"{self.kind} found every port it tried taken")
         except BaseException:
             self.close()
             raise
-        return self
+
+    def _launch(self, deadline: float, timeout: float) -> bool:
+        """Start the process; True once it is ready, False if it lost its picked port."""
+        with open(self.logfile, "ab") as log:
+            self.process = subprocess.Popen(
+                self._command(),
+                cwd=self.directory,
+                stdin=subprocess.DEVNULL,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+                **self._process_options(),
+            )
+        while not self.ready():
+            if self.process.poll() is not None:
+                if self._port_picked and not port_is_free(self.port):
+                    return False
+                raise RuntimeError(
+                    f"{self.kind} exited with status {self.process.returncode} on port "
+                    f"{self.port} before accepting connections. Its log:\n{self.log_tail()}"
+                )
+            if time.monotonic() >= deadline:
+                raise TimeoutError(
+                    f"{self.kind} on port {self.port} did not accept connections within "
+                    f"{timeout}s. Its log:\n{self.log_tail()}"
+                )
+            time.sleep(0.05)
+        return True
 
     def stop(self) -> None:
         """Stop the server (its whole process group), by force if it does not go in time."""

@@ -23,7 +23,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, TypeVar
 
-from django_redis_mutex.testing import free_port
+from django_redis_mutex.testing import free_port, port_is_free
 
 from .helpers import ROOT
 
@@ -43,7 +43,7 @@ def wait_for(check: Callable[[], T | None], timeout: float, what: str, step: flo
         if result:
             return result
         if time.monotonic() > deadline:
-            raise AssertionError(f"Timed out after {timeout:.0f}s waiting for {what}")
+            raise TimeoutError(f"Timed out after {timeout:.0f}s waiting for {what}")
         time.sleep(step)
 
 
@@ -99,6 +99,10 @@ def demo_env(data_dir: Path, **extra: str) -> dict[str, str]:
     return env
 
 
+class _PortTaken(Exception):
+    """The demo exited at start because another process had taken its picked port."""
+
+
 class Demo:
     """One ``manage.py demo`` process on a free port, with its output in a file."""
 
@@ -115,18 +119,34 @@ class Demo:
         self._seen: set[int] = set()
 
     def start(self) -> Demo:
-        """Start the demo and return once it serves its inventory page."""
+        """Start the demo and return once it serves its inventory page.
+
+        A picked port another process took before the demo bound it is
+        replaced by a fresh one, a few times.
+        """
         self.data_dir.mkdir(parents=True, exist_ok=True)
-        with open(self.log, "wb") as log:
-            self.process = subprocess.Popen(
-                [sys.executable, "manage.py", "demo", f"127.0.0.1:{self.port}"],
-                cwd=ROOT,
-                env=self.env,
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                start_new_session=True,  # signals from the test reach the demo alone
-            )
-        wait_for(self._serving, START_TIMEOUT, f"the demo on {self.url}\n{self.output()}", 0.3)
+        for _ in range(5):
+            with open(self.log, "wb") as log:
+                self.process = subprocess.Popen(
+                    [sys.executable, "manage.py", "demo", f"127.0.0.1:{self.port}"],
+                    cwd=ROOT,
+                    env=self.env,
+                    stdout=log,
+                    stderr=subprocess.STDOUT,
+                    start_new_session=True,  # signals from the test reach the demo alone
+                )
+            try:
+                wait_for(self._serving, START_TIMEOUT, f"the demo on {self.url}", 0.3)
+            except TimeoutError:
+                output = self.output()
+                raise AssertionError(f"The demo did not serve {self.url}:\n{output}") from None
+            except _PortTaken:
+                self.port = free_port()
+                self.url = f"http://127.0.0.1:{self.port}"
+                continue
+            break
+        else:
+            raise AssertionError(f"The demo found every port it tried taken:\n{self.output()}")
         match = _REDIS_LINE.search(self.output())
         if match:
             self.redis_url, pid, folder = match.groups()
@@ -136,6 +156,8 @@ class Demo:
     def _serving(self) -> bool:
         assert self.process is not None
         if self.process.poll() is not None:
+            if not port_is_free(self.port):
+                raise _PortTaken(self.port)
             status = self.process.returncode
             raise AssertionError(f"The demo exited with {status}:\n{self.output()}")
         try:

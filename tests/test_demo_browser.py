@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import signal
+import socket
 import time
 from collections.abc import Iterator
 from datetime import datetime
@@ -191,8 +192,14 @@ def test_concurrent_reserve_clicks_never_oversell(
         answers = []
         for page in pages:
             page.wait_for_load_state()
+            # The answer is a message on the inventory page (reserved, or too
+            # few left) or the 503 page. The inventory page alone is the page
+            # before its click navigated: its answer is still to come.
             wait_for(
-                lambda page=page: "/reserve/" not in page.url or page.locator("h1").count(),
+                lambda page=page: (
+                    page.locator("p.msg").count()
+                    or ("/reserve/" in page.url and page.locator("h1").count())
+                ),
                 60,
                 "the reservation's answer",
                 0.2,
@@ -390,6 +397,40 @@ def test_redis_down_reads_as_plain_words(tmp_path: Path, browser: Any, playwrigh
         # The workers keep trying, one line per failure, until Redis is back.
         wait_for(lambda: demo.output().count("Retrying in") >= 3, 60, "the workers to retry")
         assert_no_traceback(demo.output())
+    finally:
+        demo.kill_all()
+
+
+def test_a_demo_on_a_busy_address_says_so_before_starting_anything(tmp_path: Path) -> None:
+    # runserver would find out only after the private Redis had started, and
+    # leave with os._exit(), leaving the demo's Redis folder and URL file.
+    demo = Demo(tmp_path / "demo")
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as other:
+        other.bind(("127.0.0.1", demo.port))
+        other.listen()
+
+        result = demo.manage("demo", f"127.0.0.1:{demo.port}")
+
+    assert result.returncode == 1
+    assert result.stdout == ""
+    assert result.stderr.splitlines() == [
+        f"CommandError: 127.0.0.1:{demo.port} is already in use: stop what serves there, or "
+        "give the demo another address, e.g. `uv run manage.py demo 127.0.0.1:8001`."
+    ]
+    assert not (demo.data_dir / "redis-url").exists()
+
+
+def test_the_test_harness_moves_a_demo_whose_picked_port_was_taken(tmp_path: Path) -> None:
+    demo = Demo(tmp_path / "demo", hold_seconds=HOLD_SECONDS)
+    picked = demo.port
+    try:
+        # Bound, as an outgoing connection's port is: connections to it are refused.
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as other:
+            other.bind(("127.0.0.1", picked))
+            demo.start()
+        assert demo.port != picked
+        assert demo.url.endswith(f":{demo.port}")
+        assert demo.redis_pid and pid_alive(demo.redis_pid)
     finally:
         demo.kill_all()
 

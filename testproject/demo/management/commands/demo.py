@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import errno
 import glob
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -16,7 +18,7 @@ from typing import Any
 from django.conf import settings
 from django.contrib.auth import get_user_model
 from django.core.management import call_command
-from django.core.management.base import BaseCommand
+from django.core.management.base import BaseCommand, CommandError
 
 from django_redis_mutex.testing import RedisServer
 
@@ -123,6 +125,27 @@ def remove_stale_folders() -> list[str]:
     return removed
 
 
+def address_in_use(addrport: str) -> bool:
+    """Return True if another process already listens where ``addrport`` would serve.
+
+    runserver finds out only after the demo has started its Redis, and then
+    leaves with os._exit(), past every cleanup; asking first spares that. An
+    address this cannot parse is left to runserver to refuse.
+    """
+    host, _, port = addrport.rpartition(":")
+    host = host.strip("[]") or "127.0.0.1"
+    if not port.isdigit():
+        return False
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as runserver binds
+        try:
+            sock.bind((host, int(port)))
+        except OSError as error:
+            return error.errno == errno.EADDRINUSE
+    return False
+
+
 def _stop_on_signal(signum: int, frame: FrameType | None) -> None:
     raise DemoStopped(signum)
 
@@ -140,6 +163,11 @@ class Command(BaseCommand):
         )
 
     def handle(self, *args: Any, **options: Any) -> None:
+        if address_in_use(options["addrport"]):
+            raise CommandError(
+                f"{options['addrport']} is already in use: stop what serves there, or give "
+                "the demo another address, e.g. `uv run manage.py demo 127.0.0.1:8001`."
+            )
         server: DemoRedisServer | None = None
         workers: subprocess.Popen[bytes] | None = None
         url_file = settings.DEMO_REDIS_URL_FILE
