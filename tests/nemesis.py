@@ -808,18 +808,61 @@ CHILD_GRACE = 2 * NS
 ORPHAN_GRACE = NS
 
 
-def orphan_deadline(sample: HeldSample, start: int, kills: dict[int, FaultRecord]) -> int:
+#: Faults that hold back what a client sent until they end: of its server ...
+HOLDING_SERVER = ("pause-redis", "sleep-redis", "restart-redis")
+#: ... or of the proxy between one worker slot (or every slot: None) and it.
+HOLDING_PATH = ("stall-proxy", "cut-proxy", "latency")
+
+
+def holding_spans(
+    space: str, slot: int | None, faults: list[FaultRecord], hiccups: list[tuple[int, int]]
+) -> list[tuple[int, int]]:
+    """The spans (ns) in which a command a worker in ``slot`` sent to ``space`` may wait.
+
+    A paused, asleep or restarting server runs it once the fault ends, as a
+    stalled, cut or slowed proxy delivers it; a hiccup of the nemesis process
+    means the whole machine was slow, Redis too.
+    """
+    servers = [server for server, spaces in SPACES_ON.items() if space in spaces]
+    spans = [
+        (record.t0, record.end)
+        for record in faults
+        if record.server in servers
+        and (
+            record.kind in HOLDING_SERVER
+            or (record.kind in HOLDING_PATH and record.slot in (None, slot))
+        )
+    ]
+    return sorted(spans + list(hiccups))
+
+
+def orphan_deadline(
+    sample: HeldSample,
+    start: int,
+    kills: dict[int, FaultRecord],
+    faults: list[FaultRecord],
+    hiccups: list[tuple[int, int]],
+    stalls: list[tuple[int, int]] = [],  # noqa: B006 (read only)
+) -> int:
     """Until when (ns) ``sample``'s lock or permit may still be held; ``start``: its phase's.
 
     A grace of ORPHAN_GRACE from the phase's start; for an owner the nemesis
-    SIGKILLed, until its lease could have run out: renewed last at the kill
-    at the latest, or handed to it as a waiter up to a wait lease after its
-    last check-in (the kill), with a lease of up to ``sample.lease``.
+    SIGKILLed, until its lease could have run out: renewed last when its last
+    command ran, or handed to it as a waiter up to a wait lease after its
+    last check-in, with a lease of up to ``sample.lease``. Its last command
+    was sent by the kill, and ran then, or when the spans that hold a command
+    back (see :func:`holding_spans`; ``stalls``: its own process's, too) in
+    progress at the kill ended: Redis reads what a killed process wrote, and
+    sets the lease when it runs it.
     """
     allowed = start + ORPHAN_GRACE
     kill = kills.get(sample.pid) if sample.pid is not None else None
     if kill is not None:
-        allowed = max(allowed, kill.t0 + int((_wait_lease() + sample.lease) * NS) + MARGIN)
+        ran = kill.t0
+        for t0, t1 in sorted(holding_spans(sample.space, kill.slot, faults, hiccups) + stalls):
+            if t0 <= ran and t1 >= kill.t0:
+                ran = max(ran, t1)
+        allowed = max(allowed, ran + int((_wait_lease() + sample.lease) * NS) + MARGIN)
     return allowed
 
 
@@ -1852,7 +1895,10 @@ class _Checker:
         for key in sorted(last):
             sample = last[key]
             start = phases[sample.phase]
-            if sample.t <= orphan_deadline(sample, start, self.kills):
+            deadline = orphan_deadline(
+                sample, start, self.kills, self.info.faults, self.info.hiccups
+            )
+            if sample.t <= deadline:
                 self.stats["held after the run, explained"] += 1
                 continue
             self.violations.append(self.orphan(sample, start))
@@ -1893,31 +1939,18 @@ class _Checker:
     def child_deadline(self, sample: HeldSample, child: dict[str, Any]) -> int:
         """Until when (ns) ``sample`` may be held after its child task ended."""
         lease = int(sample.lease * NS)
-        servers = [
-            server for server in SERVERS[self.info.topology] if sample.space in SPACES_ON[server]
-        ]
         slot = self.slot_of.get(sample.pid or -1)
-        blocking: list[tuple[int, int]] = []
-        for record in self.info.faults:
-            on_server = record.kind in ("pause-redis", "sleep-redis", "restart-redis")
-            on_path = record.kind in ("stall-proxy", "cut-proxy", "latency") and (
-                record.slot in (None, slot)
-            )
-            if record.server in servers and (on_server or on_path):
-                blocking.append((record.t0, record.end))
-        gaps = self.merged_async.get(sample.pid or -1, [])
-        blocking += [(a, b) for a, b, _ in gaps]
-        blocking += [(a, b) for a, b in self.info.hiccups]
+        stalls = [(a, b) for a, b, _ in self.merged_async.get(sample.pid or -1, [])]
+        blocking = holding_spans(sample.space, slot, self.info.faults, self.info.hiccups) + stalls
         deadline = child["t"] + CHILD_GRACE
         for start, stop in sorted(blocking):
             # A fault that began within a lease before the child ended may have
             # kept its give-back (or the script it gives back) from Redis.
             if start <= deadline and stop >= child["t"] - lease:
                 deadline = max(deadline, stop + CHILD_GRACE)
-        kill = self.kills.get(sample.pid) if sample.pid is not None else None
-        if kill is not None:
-            deadline = max(deadline, kill.t0 + int((_wait_lease() + sample.lease) * NS) + MARGIN)
-        return deadline
+        # A SIGKILLed child's process: as for any killed owner.
+        killed = orphan_deadline(sample, 0, self.kills, self.info.faults, self.info.hiccups, stalls)
+        return max(deadline, killed)
 
     def orphan(
         self, sample: HeldSample, start: int, child: dict[str, Any] | None = None
@@ -3021,7 +3054,10 @@ class Nemesis:
             self._held_after += samples
             if not samples:
                 return f"within {(now_ns() - started) / NS:.2f}s"
-            latest = max(orphan_deadline(sample, started, kills) for sample in samples)
+            latest = max(
+                orphan_deadline(sample, started, kills, self.records, self._hiccups)
+                for sample in samples
+            )
             if now_ns() > min(latest + NS // 4, cap):
                 return "never"
             time.sleep(0.05)

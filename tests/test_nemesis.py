@@ -847,6 +847,26 @@ def test_a_killed_owners_lock_may_outlive_it_by_a_wait_lease_and_its_lease_not_m
     assert "killed at +25.000s" in verdict.violations[0].text
 
 
+def test_a_killed_owners_last_command_held_back_by_its_server_may_run_after_the_kill() -> None:
+    # Redis runs what a killed process wrote once its pause ends: a renewal
+    # or a check-in sent before the kill at 30 s may run at 31 s, so a wait
+    # lease and a lease count from there (to 34.5 s), not from the kill.
+    journal = Journal()
+    journal.fault("pause-redis", 29_500, 31_000, server="r0")
+    journal.fault("kill-worker", 30_000, pid=1, slot=1)
+    journal.fault("pause-redis", 29_000, 31_500, server="m1")  # not the lock's server
+    journal.fault("stall-proxy", 29_800, 32_500, server="r0", slot=2)  # not its path
+    journal.orphan_phases = {"idle": at(30_000), "exited": at(32_000)}
+    journal.held("exited", 34_400, pid=1, lease=1.5)
+    journal.held("exited", 34_600, name="a", pid=1, lease=1.5)
+
+    verdict = journal.check()
+
+    assert kinds(verdict) == ["orphan: lock outlived its owner"]
+    assert "single:a" in verdict.violations[0].text
+    assert verdict.stats["held after the run, explained"] == 1
+
+
 def test_a_permit_held_in_the_name_of_a_cancelled_child_that_ended_is_an_orphan() -> None:
     journal = Journal()
     journal.event("start", 1, -1000, slot=1)
