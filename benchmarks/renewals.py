@@ -106,7 +106,7 @@ def _forced_rounds(
     from django_redis_mutex.watchdog import get_watchdog
 
     watchdog = get_watchdog()
-    holds = [lock._hold for lock in locks]
+    holds = [lock._current() for lock in locks]
     results = []
     errors = []
     for _ in range(rounds):

@@ -81,24 +81,19 @@ def acquire(lock: AcquiringHandle, blocking: Any, timeout: Any) -> Hold | None:
         lock._levels.nest(hold)  # a reentrant join: no new lock order
         return hold
     attempt = start(lock, blocking, timeout)
-    token, started = attempt.token, attempt.started
+    token = attempt.token
     while True:
-        try:
-            with _acquisition_errors(lock.name, lock.using, started):
-                try:
-                    grant = run_steps(_acquisition_steps(lock, attempt))
-                except (redis_errors.TimeoutError, LockBackendUnavailable):
-                    # Redis is not answering: a cancel now would wait out another
-                    # socket timeout, so it is left to the background.
-                    _abandon_later(lock, token)
-                    raise
-                except BaseException:
-                    _abandon(lock, token)
-                    raise
-        except LockDeadlock as error:
-            # Out of line already, like a wait that timed out.
-            _note_deadlock(lock, attempt, error)
-            raise
+        with _acquisition_errors(lock, attempt):
+            try:
+                grant = run_steps(_acquisition_steps(lock, attempt))
+            except (redis_errors.TimeoutError, LockBackendUnavailable):
+                # Redis is not answering: a cancel now would wait out another
+                # socket timeout, so it is left to the background.
+                _abandon_later(lock, token)
+                raise
+            except BaseException:
+                _abandon(lock, token)
+                raise
         # Outside backend_errors: an error of a signal receiver is not Redis's.
         if grant is None:
             _note_contention(lock, attempt)
@@ -126,14 +121,9 @@ async def aacquire(lock: AcquiringHandle, blocking: Any, timeout: Any) -> Hold |
         lock._levels.nest(hold)
         return hold
     attempt = start(lock, blocking, timeout)
-    started = attempt.started
     while True:
-        try:
-            with _acquisition_errors(lock.name, lock.using, started):
-                adopted = await _acquire_in_child(lock, attempt)
-        except LockDeadlock as error:
-            _note_deadlock(lock, attempt, error)
-            raise
+        with _acquisition_errors(lock, attempt):
+            adopted = await _acquire_in_child(lock, attempt)
         if adopted is None:
             _note_contention(lock, attempt)
             return None
@@ -215,17 +205,15 @@ def _note_contention(lock: AcquiringHandle, attempt: Attempt) -> None:
     lock._levels.failed(contention)
     counted = lock._stats_class
     if counted is not None:
-        stats.contended(lock.using, counted)
+        stats.count(lock.using, counted, stats.CONTENDED)
     if signals.lock_contended.receivers:
         error = contention.error(lock.name, lock.using, counted)
-        signals.lock_contended.send(
-            sender=lock.using,
-            name=lock.name,
+        signals.send_about(
+            signals.lock_contended,
+            lock,
             wait=error.waited,
             retry_after=error.retry_after,
             owner=error.owner,
-            shared=lock.shared,
-            **lock._kind_signal,
         )
 
 
@@ -234,17 +222,10 @@ def _note_deadlock(lock: AcquiringHandle, attempt: Attempt, error: LockDeadlock)
     _note_contention(lock, attempt)
     counted = lock._stats_class
     if counted is not None:
-        stats.deadlocked(lock.using, counted)
-    if signals.lock_deadlock.receivers:
-        signals.lock_deadlock.send(
-            sender=lock.using,
-            name=lock.name,
-            wait=error.waited,
-            owner=error.owner,
-            cycle=error.cycle,
-            shared=lock.shared,
-            **lock._kind_signal,
-        )
+        stats.count(lock.using, counted, stats.DEADLOCKED)
+    signals.send_about(
+        signals.lock_deadlock, lock, wait=error.waited, owner=error.owner, cycle=error.cycle
+    )
 
 
 def _adopt(lock: AcquiringHandle, token: str, grant: Grant, owner: object = None) -> Hold:
@@ -289,16 +270,7 @@ def _announce(lock: AcquiringHandle, hold: Hold, attempt: Attempt) -> None:
     waited = attempt.was_refused
     if counted is not None:
         stats.acquired(lock.using, counted, wait, waited)
-    if signals.lock_acquired.receivers:
-        signals.lock_acquired.send(
-            sender=lock.using,
-            name=lock.name,
-            fence=hold.fence,
-            wait=wait,
-            waited=waited,
-            shared=lock.shared,
-            **lock._kind_signal,
-        )
+    signals.send_about(signals.lock_acquired, lock, fence=hold.fence, wait=wait, waited=waited)
 
 
 def _short(lock: AcquiringHandle, hold: Hold) -> bool:
@@ -432,18 +404,30 @@ async def _acquire_in_child(lock: AcquiringHandle, attempt: Attempt) -> Hold | N
 
 
 class _acquisition_errors(backend_errors):
-    """``backend_errors`` around a new acquisition; also tells ``lock_unavailable`` receivers."""
+    """``backend_errors`` around a new acquisition; also tells of its deadlock or failure.
 
-    __slots__ = ("started",)
+    A wait ended to break a deadlock is noted (as a timeout, then
+    ``lock_deadlock``), and a Redis failure told to ``lock_unavailable``
+    receivers.
+    """
 
-    def __init__(self, name: str, alias: str, started: float) -> None:
+    __slots__ = ("attempt", "lock")
+
+    def __init__(self, lock: AcquiringHandle, attempt: Attempt) -> None:
         # No super().__init__(): this sits on every acquisition.
-        self.name = name
-        self.alias = alias
-        self.started = started
+        self.name = lock.name
+        self.alias = lock.using
+        self.lock = lock
+        self.attempt = attempt
 
     def __exit__(self, exc_type: Any, exc: BaseException | None, tb: Any) -> Literal[False]:
-        if exc is None or not signals.lock_unavailable.receivers:
+        if exc is None:
+            return False
+        if isinstance(exc, LockDeadlock):
+            # Out of line already, like a wait that timed out.
+            _note_deadlock(self.lock, self.attempt, exc)
+            return False
+        if not signals.lock_unavailable.receivers:
             return super().__exit__(exc_type, exc, tb)
         try:
             super().__exit__(exc_type, exc, tb)
@@ -455,7 +439,7 @@ class _acquisition_errors(backend_errors):
         return False
 
     def _tell(self, error: LockBackendUnavailable) -> None:
-        wait = time.monotonic() - self.started
+        wait = time.monotonic() - self.attempt.started
         for receiver, failure in signals.lock_unavailable.send_robust(
             sender=self.alias, name=self.name, wait=wait, error=error
         ):

@@ -47,14 +47,21 @@ class Chart:
 
     width: int
     height: int
-    left: int
-    right: int
-    top: int
-    bottom: int
     series: tuple[Series, ...]
     y_ticks: tuple[tuple[float, int], ...]  # (y, count)
     x_ticks: tuple[tuple[float, str], ...]  # (x, "HH:MM")
     title: str
+    # The plot box: what the axis labels leave of the picture.
+    left: int = _LEFT
+    top: int = _TOP
+
+    @property
+    def right(self) -> int:
+        return self.width - _RIGHT
+
+    @property
+    def bottom(self) -> int:
+        return self.height - _BOTTOM
 
 
 def _clock(window: int) -> str:
@@ -99,20 +106,8 @@ def contention_chart(
     # About six time labels, on whole windows.
     every = max(1, len(windows) // 6)
     x_ticks = tuple((x(i), _clock(w)) for i, w in enumerate(windows) if i % every == 0)
-    minutes = len(windows) * WINDOW // 60
-    return Chart(
-        width=width,
-        height=height,
-        left=_LEFT,
-        right=right_edge,
-        top=_TOP,
-        bottom=bottom_edge,
-        series=series,
-        y_ticks=y_ticks,
-        x_ticks=x_ticks,
-        title=_(
-            "Acquisitions that found the lock held, per minute: the hottest lock "
-            "classes of the last %(minutes)d minutes"
-        )
-        % {"minutes": minutes},
-    )
+    title = _(
+        "Acquisitions that found the lock held, per minute: the hottest lock "
+        "classes of the last %(minutes)d minutes"
+    ) % {"minutes": len(windows) * WINDOW // 60}
+    return Chart(width, height, series, y_ticks, x_ticks, title)

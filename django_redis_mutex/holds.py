@@ -192,6 +192,8 @@ class Attempt:
     # task, which would name itself).
     owner_json: str
     contention: Contention = _NOT_REFUSED
+    # True once an ACQUIRE that joins the line was sent for this token.
+    joined: bool = False
 
     def refused(self, pttl: int, holder: Any, held: int = -1) -> None:
         """Record that ``holder`` had the lock for ``held`` ms, ``pttl`` ms of its lease left."""

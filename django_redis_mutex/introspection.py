@@ -35,7 +35,14 @@ from .eviction import EvictionPolicy, read_policy
 from .exceptions import LockBackendUnavailable
 from .handoff import read_state_steps, release_steps, reset_steps
 from .holds import decode
-from .keys import LockKeys, SharedRecord, lock_pattern, semaphore_pattern, validate_name
+from .keys import (
+    LockKeys,
+    SharedRecord,
+    lock_pattern,
+    place_is_live,
+    semaphore_pattern,
+    validate_name,
+)
 from .owners import Owner, parse_owner
 from .quorum import quorum_members, quorum_of
 
@@ -105,7 +112,7 @@ class HeldLock:
     acquired_at: datetime
     time_left: float  # seconds left on the holder's lease
     fence: int
-    waiters: int
+    waiters: int  # acquisitions waiting in line whose place still holds
     masters: int = 1
     shared: bool = False
     holders: tuple[SharedHolder, ...] = ()
@@ -440,7 +447,8 @@ def _read(client: Any, alias: str, kind: _Kind) -> Iterator[_Found]:
         for key in batch:
             pipe.hgetall(key)
             pipe.pttl(key)
-            pipe.zcard(LockKeys.for_lock_key(key).queue)
+            # HGETALL, not HVALS: the ACL the docs give has no other hash read.
+            pipe.hgetall(LockKeys.for_lock_key(key).waiting)
         replies = pipe.execute()
         # Shared leases are kept as server times: read the server's clock after them.
         now_ms = server_ms(client.time())
@@ -448,7 +456,8 @@ def _read(client: Any, alias: str, kind: _Kind) -> Iterator[_Found]:
             i = 3 * index
             record = {decode(name): decode(value) for name, value in replies[i].items()}
             name = LockKeys.for_lock_key(key).name_of(space)
-            listed = _parse(name, record, replies[i + 1], replies[i + 2], now_ms)
+            waiters = sum(place_is_live(decode(place), now_ms) for place in replies[i + 2].values())
+            listed = _parse(name, record, replies[i + 1], waiters, now_ms)
             if listed is not None:
                 limit = record.get("limit", "")
                 tag = key[len(space) + 1 :]

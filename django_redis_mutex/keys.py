@@ -61,6 +61,7 @@ __all__ = [
     "app_key_patterns",
     "escape_name",
     "lock_pattern",
+    "place_is_live",
     "semaphore_pattern",
     "stats_key",
     "unescape_name",
@@ -237,6 +238,32 @@ class LockKeys:
     def name_of(self, namespace: str) -> str:
         """Return the lock name these keys belong to in ``namespace`` (read from the key)."""
         return unescape_name(self.lock[self.lock.index("{", len(namespace)) + 1 : -1])
+
+
+def place_is_live(record: str, now_ms: int) -> bool:
+    """Whether a waiter's place in line still holds, read as the scripts read it.
+
+    A place is ``"<lease end ms>|<ttl ms>|<owner>"`` (``waiter_terms`` in
+    scripts.py): one whose waiter stopped renewing it is skipped when it
+    comes first, so it is not counted as waiting. An older version's
+    ``"<ttl ms>|<owner>"`` holds until served; an unreadable one never does.
+    """
+    first, bar, rest = record.partition("|")
+    if not (bar and _lua_number(first)):
+        return False
+    if rest.startswith("{"):
+        return True
+    ttl, bar, _owner = rest.partition("|")
+    return bool(bar) and _lua_number(ttl) and float(first) > now_ms
+
+
+def _lua_number(text: str) -> bool:
+    """Whether Lua's tonumber() reads ``text`` as a number (for what this package writes)."""
+    try:
+        float(text)
+    except ValueError:
+        return False
+    return True
 
 
 @dataclass(frozen=True)

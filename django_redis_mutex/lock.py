@@ -16,15 +16,15 @@ lost under a nested block each keep their own record.
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import warnings
 from collections.abc import Sequence
-from typing import Any, Literal, TypeVar
+from typing import Any, TypeVar
 
 from django.core.exceptions import ImproperlyConfigured
 
 from . import acquisition, scripts
+from .block import LockBlock
 from .client import backend_errors, namespace
 from .conf import (
     DEFAULT,
@@ -38,21 +38,19 @@ from .conf import (
 )
 from .driver import AsyncDriver, Steps, run_steps
 from .exceptions import (
-    LockBackendUnavailable,
     LockContended,
-    LockError,
-    LockLost,
     LockNotOwned,
 )
-from .holds import Attempt, Hold, close_scope, open_scope
+from .holds import Attempt, Hold
 from .keys import LockKeys, validate_label, validate_name
 from .levels import Levels
 from .owners import Owner
 from .quorum import Quorum, quorum_members
 from .release import arelease, held_or_raise, release
+from .replicated import ReplicatedRedis
 from .scripts import lease_ms
 from .topology import OneRedis
-from .watchdog import declare_if_lapsed, declare_lost, get_watchdog
+from .watchdog import declare_lost, get_watchdog
 
 __all__ = ["DEFAULT", "Mutex", "QuorumMutex"]
 
@@ -61,7 +59,7 @@ T = TypeVar("T")
 logger = logging.getLogger("django_redis_mutex")
 
 
-class Mutex:
+class Mutex(LockBlock):
     """A handle on one named distributed lock.
 
     A handle holds at most one acquisition per owner at a time, nested as often
@@ -127,7 +125,13 @@ class Mutex:
         )
         self.label = validate_label(label)
         self.keys = self._keys_on(using)
-        self._where: OneRedis = OneRedis(self) if members is None else Quorum(self, members)
+        self._where: OneRedis = (
+            Quorum(self, members)
+            if members is not None
+            else ReplicatedRedis(self)
+            if config.wait_replicas
+            else OneRedis(self)
+        )
         self._levels = Levels()
 
     def __repr__(self) -> str:
@@ -180,10 +184,6 @@ class Mutex:
         return self._levels.current()
 
     @property
-    def _hold(self) -> Hold | None:
-        return self._current()
-
-    @property
     def token(self) -> str | None:
         """The random owner token of the current hold, or None."""
         hold = self._current()
@@ -219,12 +219,21 @@ class Mutex:
         return LockKeys.for_name(namespace(alias), self.name)
 
     def _acquire_args(self, attempt: Attempt, join: bool) -> list[Any]:
-        """Return ACQUIRE's (or ACQUIRE_SHARED's) ARGV for ``attempt``."""
+        """Return ACQUIRE's (or ACQUIRE_SHARED's) ARGV for ``attempt``.
+
+        An attempt's first place in line spares the script clearing a wake-up
+        list its new token cannot have; every later one (a check-in, a return
+        to the line after a hand-over that lapsed) clears it.
+        """
+        joining = 0
+        if join:
+            joining = 1 if attempt.joined else 2
+            attempt.joined = True
         return [
             attempt.token,
             lease_ms(self.lease),
             attempt.owner_json,
-            1 if join else 0,
+            joining,
             *self._limit_args,
         ]
 
@@ -352,94 +361,6 @@ class Mutex:
     async def aowner(self) -> Owner | None:
         """Async twin of :meth:`owner`."""
         return await self._arun(self._where.holder_steps()) or None
-
-    # -- context manager -----------------------------------------------------
-    #
-    # ``with`` and ``async with`` raise LockContended when the lock cannot be
-    # had, honour FAIL_OPEN, and on the way out raise LockLost only when the
-    # body succeeded: an exception already propagating is never replaced. Each
-    # block opens a scope that other handles of the same owner may nest into
-    # until the block ends, and its exit leaves exactly the level it entered.
-
-    def __enter__(self) -> Mutex:
-        try:
-            self._enter(acquisition.acquire(self, DEFAULT, DEFAULT))
-        except LockBackendUnavailable as exc:
-            self._enter_failed_open(exc)
-        return self
-
-    async def __aenter__(self) -> Mutex:
-        try:
-            self._enter(await acquisition.aacquire(self, DEFAULT, DEFAULT))
-        except LockBackendUnavailable as exc:
-            self._enter_failed_open(exc)
-        return self
-
-    def _enter(self, hold: Hold | None) -> None:
-        if hold is None:
-            raise self.contended()
-        self._levels.enter(hold, open_scope(hold))
-
-    def _enter_failed_open(self, exc: LockBackendUnavailable) -> None:
-        if not self.settings.fail_open:
-            raise exc
-        logger.warning(
-            "FAIL_OPEN: running %r unlocked because Redis is unavailable: %s", self.name, exc
-        )
-        self._levels.enter(None, None)
-
-    def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> Literal[False]:
-        hold = self._leaving()
-        if hold is not None:  # else it ran unlocked under FAIL_OPEN
-            try:
-                release(self, hold)
-            except (LockNotOwned, LockBackendUnavailable) as error:
-                self._left(hold, error, body_failed=exc_type is not None)
-            else:
-                self._left(hold, None, body_failed=exc_type is not None)
-        return False
-
-    async def __aexit__(self, exc_type: Any, exc: Any, tb: Any) -> Literal[False]:
-        hold = self._leaving()
-        if hold is not None:
-            try:
-                # Shielded: a task cancelled while leaving the block still
-                # releases its lock (the release finishes in the background).
-                await asyncio.shield(arelease(self, hold))
-            except (LockNotOwned, LockBackendUnavailable) as error:
-                self._left(hold, error, body_failed=exc_type is not None)
-            else:
-                self._left(hold, None, body_failed=exc_type is not None)
-        return False
-
-    def _leaving(self) -> Hold | None:
-        """Pop the block being left; return its hold (None if it ran unlocked)."""
-        block = self._levels.leave()
-        if block is None or block.hold is None:
-            return None
-        if block.scope is not None:
-            close_scope(block.scope)
-        declare_if_lapsed(block.hold)
-        return block.hold
-
-    def _left(self, hold: Hold, error: LockError | None, *, body_failed: bool) -> None:
-        """Raise what the block's release found, unless the body already failed (then log it)."""
-        if isinstance(error, LockBackendUnavailable):
-            # The lease still ends by itself; the hold stays on the handle for a retry.
-            if body_failed or self.settings.fail_open:
-                logger.error("Could not release %s %r: %s", self.kind, self.name, error)
-                return
-            raise error
-        if error is None and not (hold.lost and not hold.active):
-            return
-        message = (
-            f"{hold.describe()} was lost while the block ran: "
-            f"{hold.lost_reason or 'it expired, was reset, or was taken'}."
-        )
-        if body_failed or not hold.raise_on_lost:
-            logger.error(message)
-            return
-        raise LockLost(message, name=self.name)
 
 
 def _renamed(old: str, new: str) -> None:

@@ -123,6 +123,11 @@ def _record(raw: Any) -> dict[str, Any] | None:
     if not raw:
         return None
     text = raw.decode("utf-8", "replace") if isinstance(raw, bytes) else str(raw)
+    lease, bar, rest = text.partition("|")
+    if bar and lease.isdigit():
+        # An older version's release, handing the lock to a waiter of this
+        # one, took the waiter's place lease for part of its owner record.
+        text = rest
     try:
         record = json.loads(text)
     except ValueError:

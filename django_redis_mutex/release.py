@@ -182,16 +182,14 @@ def finish(lock: Handle, hold: Hold, released: bool, databases: tuple[str, ...] 
         held = time.monotonic() - hold.acquired_at
         if counted is not None:
             stats.released(lock.using, counted, held)
-        if signals.lock_released.receivers:
-            signals.lock_released.send(
-                sender=lock.using,
-                name=lock.name,
-                fence=hold.fence,
-                held=held,
-                shared=hold.shared,
-                databases=databases,
-                **lock._kind_signal,
-            )
+        signals.send_about(
+            signals.lock_released,
+            lock,
+            shared=hold.shared,
+            fence=hold.fence,
+            held=held,
+            databases=databases,
+        )
         return
     declare_lost(hold, "it was no longer held by this owner at release")
     raise LockNotOwned(
@@ -229,15 +227,13 @@ def keep_for_transaction(lock: Handle, hold: Hold) -> list[str] | None:
         await_transaction(hold)
         warn_if_read_before(lock.name, connections, hold.acquired_at)
     wait.add(connections)
-    if signals.lock_held_for_transaction.receivers:
-        signals.lock_held_for_transaction.send(
-            sender=lock.using,
-            name=lock.name,
-            fence=hold.fence,
-            databases=tuple(wait.aliases),
-            shared=hold.shared,
-            **lock._kind_signal,
-        )
+    signals.send_about(
+        signals.lock_held_for_transaction,
+        lock,
+        shared=hold.shared,
+        fence=hold.fence,
+        databases=tuple(wait.aliases),
+    )
     return list(wait.aliases) if newly else []
 
 

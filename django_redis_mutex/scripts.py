@@ -461,10 +461,11 @@ def required(names: tuple[str, ...]) -> int:
 # join the line (when blocking) and answer {0, pttl ms of the lock, holder
 # owner JSON or '', woken, ms the holder has held it or -1}.
 _JOIN_LINE = r"""
-if ARGV[4] == '1' then
-  if redis.call('ZADD', KEYS[3], 'NX', now_text, token) == 1 then
+if ARGV[4] ~= '0' then
+  if redis.call('ZADD', KEYS[3], 'NX', now_text, token) == 1 and ARGV[4] == '1' then
     -- A new place in line: a wake-up left from an earlier hand-over that lapsed
-    -- must not be taken for a new one.
+    -- must not be taken for a new one. A token in line for the first time
+    -- ('2') was never handed anything.
     redis.call('DEL', KEYS[5])
   end
   redis.call('HSET', KEYS[4], token,
@@ -500,7 +501,13 @@ ACQUIRE = LuaScript(
     "acquire",
     summary="Take the lock, or (blocking) a place in line.",
     keys=(*_LOCK_KEYS, "wake: the caller's wake-up list"),
-    argv=("token", "ttl ms", "owner JSON", "join: 1 to wait in line when refused, 0 to try once"),
+    argv=(
+        "token",
+        "ttl ms",
+        "owner JSON",
+        "join: 0 to try once; when refused, 1 to wait in line, 2 to wait in line for the"
+        " token's first time (no wake-up of it can exist)",
+    ),
     returns="the fence when the caller now holds the lock for its ttl and nobody waits;"
     " {1, fence, pttl ms (-1: its ttl), token first in line behind it or ''} when it holds"
     " it; else {0, pttl ms of the holder, holder's owner JSON, '' or the token of a waiter"

@@ -58,14 +58,14 @@ acquisition sends ``lock_waiting`` from the task that runs its wait, a child
 of the caller's task. Errors of ``lock_waiting``, ``lock_unavailable`` and
 ``lock_lost`` receivers are logged, never raised.
 
-A signal nobody listens to costs the lock nothing: the lock checks for
-receivers before building the arguments.
+A signal nobody listens to costs the lock next to nothing: it is sent only
+when it has receivers, and the costly arguments are built only then.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any, TypeVar
+from typing import Any, Protocol, TypeVar
 
 from django.dispatch import Signal
 
@@ -91,6 +91,34 @@ lock_deadlock = Signal()
 lock_lost = Signal()
 lock_waiting = Signal()
 lock_unavailable = Signal()
+
+
+class _Sender(Protocol):
+    using: str
+    name: str
+    shared: bool
+    _kind_signal: dict[str, str]
+
+
+def send_about(
+    signal: Signal, lock: _Sender, *, shared: bool | None = None, **figures: Any
+) -> None:
+    """Send ``signal`` about ``lock`` if anyone listens: from its alias, with its name and kind.
+
+    ``shared`` says whether the hold is shared; by default, whether ``lock``
+    takes it shared (a shared handle that joined its owner's exclusive hold
+    ends that hold, so ending a hold passes the hold's own). ``figures`` are
+    what the signal carries beyond those (see above); a semaphore's permit
+    adds ``kind="semaphore"``.
+    """
+    if signal.receivers:
+        signal.send(
+            sender=lock.using,
+            name=lock.name,
+            shared=lock.shared if shared is None else shared,
+            **figures,
+            **lock._kind_signal,
+        )
 
 
 class ReceiverGroup:

@@ -32,6 +32,7 @@ import math
 import os
 import threading
 import time
+from collections import Counter
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -51,7 +52,6 @@ __all__ = [
     "WINDOW",
     "ClassStats",
     "StatsReport",
-    "deadlocked",
     "flush",
     "read_stats",
     "retry_after",
@@ -130,16 +130,14 @@ class _Figures:
     __slots__ = ("counts", "holds", "waits")
 
     def __init__(self) -> None:
-        self.counts: dict[str, int] = {}
-        self.waits: dict[int, int] = {}
-        self.holds: dict[int, int] = {}
+        self.counts: Counter[str] = Counter()
+        self.waits: Counter[int] = Counter()
+        self.holds: Counter[int] = Counter()
 
     def add(self, other: _Figures) -> None:
-        for code, count in other.counts.items():
-            self.counts[code] = self.counts.get(code, 0) + count
-        for mine, theirs in ((self.waits, other.waits), (self.holds, other.holds)):
-            for index, count in theirs.items():
-                mine[index] = mine.get(index, 0) + count
+        self.counts.update(other.counts)
+        self.waits.update(other.waits)
+        self.holds.update(other.holds)
 
     def fields(self, counted: Counted) -> Iterator[tuple[str, int]]:
         """Yield the (hash field, count) pairs that record these figures."""
@@ -216,19 +214,11 @@ def acquired(alias: str, counted: Counted, wait: float, waited: bool) -> None:
     """Count an acquisition taking ``wait`` s (``waited``: refused first)."""
     with _guard:
         figures = _figures(alias, counted)
-        if figures is None:
-            return
-        counts = figures.counts
-        counts["a"] = counts.get("a", 0) + 1
-        if waited:
-            counts["w"] = counts.get("w", 0) + 1
-        index = bucket(wait)
-        figures.waits[index] = figures.waits.get(index, 0) + 1
-
-
-def contended(alias: str, counted: Counted) -> None:
-    """Count an acquisition that gave up (its wait is not a lock's wait)."""
-    _count(alias, counted, "c")
+        if figures is not None:
+            figures.counts["a"] += 1
+            if waited:
+                figures.counts["w"] += 1
+            figures.waits[bucket(wait)] += 1
 
 
 def released(alias: str, counted: Counted, held: float) -> None:
@@ -236,25 +226,21 @@ def released(alias: str, counted: Counted, held: float) -> None:
     with _guard:
         figures = _figures(alias, counted)
         if figures is not None:
-            index = bucket(held)
-            figures.holds[index] = figures.holds.get(index, 0) + 1
+            figures.holds[bucket(held)] += 1
 
 
-def lost(alias: str, counted: Counted) -> None:
-    """Count a hold lost before its release."""
-    _count(alias, counted, "l")
+#: What :func:`count` counts: an acquisition that gave up (its wait is not a
+#: lock's wait), a hold lost before its release, an acquisition ended to break
+#: a deadlock (see deadlock.py).
+CONTENDED, LOST, DEADLOCKED = "c", "l", "d"
 
 
-def deadlocked(alias: str, counted: Counted) -> None:
-    """Count an acquisition ended to break a deadlock (see deadlock.py)."""
-    _count(alias, counted, "d")
-
-
-def _count(alias: str, counted: Counted, code: str) -> None:
+def count(alias: str, counted: Counted, event: str) -> None:
+    """Count one ``event`` (CONTENDED, LOST or DEADLOCKED) of a class."""
     with _guard:
         figures = _figures(alias, counted)
         if figures is not None:
-            figures.counts[code] = figures.counts.get(code, 0) + 1
+            figures.counts[event] += 1
 
 
 # -- writing ---------------------------------------------------------------

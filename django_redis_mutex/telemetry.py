@@ -56,6 +56,20 @@ BUCKETS = (
 )
 
 
+# (name between "mutex." and ".duration", description) of the histograms of
+# _Instruments, in seconds.
+_DURATIONS = (
+    ("wait", "Time an acquisition took, waiting included, by outcome."),
+    ("hold", "Time a lock was held, from acquisition to release."),
+)
+# (name after "mutex.", unit, description) of its counters.
+_COUNTERS = (
+    ("waited", "{acquisition}", "Acquisitions that found the lock held and waited for it."),
+    ("contended", "{acquisition}", "Acquisitions that gave up because the lock stayed held."),
+    ("lost", "{hold}", "Holds lost before release: expired, reset or taken."),
+)
+
+
 class _Instruments:
     """The tracer and the instruments, from the global providers."""
 
@@ -66,32 +80,19 @@ class _Instruments:
 
         meter = metrics.get_meter("django_redis_mutex", __version__)
         self.tracer = trace.get_tracer("django_redis_mutex", __version__)
-        self.wait = meter.create_histogram(
-            "mutex.wait.duration",
-            unit="s",
-            description="Time an acquisition took, waiting included, by outcome.",
-            explicit_bucket_boundaries_advisory=BUCKETS,
+        self.wait, self.hold = (
+            meter.create_histogram(
+                f"mutex.{what}.duration",
+                unit="s",
+                description=description,
+                explicit_bucket_boundaries_advisory=BUCKETS,
+            )
+            for what, description in _DURATIONS
         )
-        self.hold = meter.create_histogram(
-            "mutex.hold.duration",
-            unit="s",
-            description="Time a lock was held, from acquisition to release.",
-            explicit_bucket_boundaries_advisory=BUCKETS,
-        )
-        self.waited = meter.create_counter(
-            "mutex.waited",
-            unit="{acquisition}",
-            description="Acquisitions that found the lock held and waited for it.",
-        )
-        self.contended = meter.create_counter(
-            "mutex.contended",
-            unit="{acquisition}",
-            description="Acquisitions that gave up because the lock stayed held.",
-        )
-        self.lost = meter.create_counter(
-            "mutex.lost",
-            unit="{hold}",
-            description="Holds lost before release: expired, reset or taken.",
+        # Counted once per acquisition that waited, gave up, or lost its hold.
+        self.waited, self.contended, self.lost = (
+            meter.create_counter(f"mutex.{what}", unit=unit, description=description)
+            for what, unit, description in _COUNTERS
         )
         self.waiters = meter.create_up_down_counter(
             "mutex.waiters",

@@ -20,8 +20,7 @@ from typing import Any, Literal, NamedTuple, Protocol
 
 from . import deadlock, scripts
 from .conf import MutexSettings
-from .driver import REDIS_TICK, Acknowledged, Pop, Script, Sleep, Steps
-from .exceptions import LockNotReplicated
+from .driver import REDIS_TICK, Pop, Script, Sleep, Steps
 from .handoff import handed_to, parse_wakeup, read_state_steps, wake_steps
 from .holds import Attempt, Hold, decode, owner_metadata
 from .keys import LockKeys
@@ -120,8 +119,6 @@ class OneRedis:
     def acquire_steps(self, attempt: Attempt) -> Steps[Grant | None]:
         """Acquire: try once; when blocking, queue and wait to be handed the lock."""
         lock = self.lock
-        if lock.settings.wait_replicas:
-            return (yield from self._replicated_acquire_steps(attempt))
         keys = self.keys.with_wake(attempt.token)
         sent, reply = yield Script(
             self.alias, lock._acquire_script, keys, lock._acquire_args(attempt, attempt.blocking)
@@ -135,75 +132,6 @@ class OneRedis:
         if not attempt.blocking:
             return None
         return (yield from self._wait_steps(attempt, reply, sent))
-
-    def _replicated_acquire_steps(self, attempt: Attempt) -> Steps[Grant | None]:
-        """Acquire as :meth:`acquire_steps` does, then have WAIT_REPLICAS replicas acknowledge it.
-
-        WAIT counts the replication offset of its own connection's last write.
-        The first try is sent with its WAIT in one round trip, which covers a
-        lock this script wrote. A lock handed over by someone else's release
-        (or found granted at a later check-in) was not our connection's last
-        write: we confirm it with a write of our own (EXTEND to the full lease)
-        and WAIT after that, which covers the hand-off written before it.
-        """
-        lock = self.lock
-        replicas, timeout = lock.settings.wait_replicas, lock.settings.wait_timeout
-        token = attempt.token
-        sent, reply, acknowledged = yield Acknowledged(
-            self.alias,
-            lock._acquire_script,
-            self.keys.with_wake(token),
-            lock._acquire_args(attempt, attempt.blocking),
-            replicas,
-            timeout,
-        )
-        if not isinstance(reply, list):  # the fence alone: written by this very script
-            grant = self._grant(reply, sent, lock.lease)
-            return (yield from self._acknowledged(token, grant, acknowledged))
-        if reply[0] == 1 and int(reply[2]) < 0:  # granted by this very script
-            grant = yield from self._granted_steps(reply, sent)
-            return (yield from self._acknowledged(token, grant, acknowledged))
-        if reply[0] != 1:
-            yield from self._wake(reply[3])
-            lock._refused(attempt, reply)
-            if not attempt.blocking:
-                return None
-        refused_sent = sent
-        while True:
-            if reply[0] == 1:
-                handed: Grant | None = yield from self._granted_steps(reply, sent)
-            else:
-                handed = yield from self._wait_steps(attempt, reply, refused_sent)
-            if handed is None:
-                return None
-            sent, extended, acknowledged = yield Acknowledged(
-                self.alias,
-                scripts.EXTEND,
-                [self.keys.lock],
-                [token, lease_ms(lock.lease)],
-                replicas,
-                timeout,
-            )
-            if extended:
-                grant = Grant(handed.fence, {self.alias: (sent, lock.lease)}, handed.successor)
-                return (yield from self._acknowledged(token, grant, acknowledged))
-            # The hand-over lapsed before we confirmed it (a long pause): back
-            # in line, checking in at once.
-            reply, refused_sent = [0, 1, "", ""], sent
-
-    def _acknowledged(self, token: str, grant: Grant, acknowledged: int) -> Steps[Grant]:
-        """Return ``grant`` if enough replicas acknowledged it; else release it and raise."""
-        settings = self.lock.settings
-        if acknowledged >= settings.wait_replicas:
-            return grant
-        yield from self._release_call_steps(token, grant.successor)
-        raise LockNotReplicated(
-            self.lock.name,
-            alias=self.alias,
-            acknowledged=acknowledged,
-            required=settings.wait_replicas,
-            timeout=settings.wait_timeout,
-        )
 
     def _wait_steps(
         self, attempt: Attempt, reply: list[Any], refused_sent: float

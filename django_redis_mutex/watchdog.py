@@ -226,7 +226,7 @@ def announce_lost(item: Renewable, reason: str, *, log: bool = True) -> bool:
         logger.error("%s was lost after %.3fs: %s.", item.describe(), held, reason)
     counted = getattr(item, "counted_as", None)
     if counted is not None:
-        stats.lost(item.alias, counted)
+        stats.count(item.alias, counted, stats.LOST)
     if not signals.lock_lost.receivers:
         return True
     for receiver, error in signals.lock_lost.send_robust(

@@ -247,7 +247,7 @@ def test_waiting_task_gets_lock_when_other_task_releases():
         await waiter_lock.arelease()
         return handed_over
 
-    assert asyncio.run(main()) < 0.5
+    assert asyncio.run(main()) < 0.8  # woken by the release, not a 1 s check-in
 
 
 async def _one_waiter(name: str) -> bool:
@@ -425,8 +425,8 @@ def test_async_exit_keeps_body_exception_when_lock_lost():
 
 def test_watchdog_renews_async_hold_beyond_ttl():
     async def main() -> bool:
-        async with mutex("renewed", ttl=0.3) as lock:
-            deadline = time.monotonic() + 1.0
+        async with mutex("renewed", ttl=0.8) as lock:
+            deadline = time.monotonic() + 2.4
             while time.monotonic() < deadline:
                 if not await lock.aowned():
                     return False
@@ -438,8 +438,8 @@ def test_watchdog_renews_async_hold_beyond_ttl():
 
 def test_watchdog_renews_async_hold_while_loop_is_blocked():
     async def main() -> bool:
-        async with mutex("renewed", ttl=0.3) as lock:
-            time.sleep(0.8)  # a blocking call inside async code: the loop cannot run
+        async with mutex("renewed", ttl=0.8) as lock:
+            time.sleep(2.0)  # a blocking call inside async code: the loop cannot run
             return await lock.aowned()
 
     assert asyncio.run(main()) is True
@@ -628,8 +628,16 @@ def test_a_waiter_cancelled_while_lengthening_its_hand_over_lease_gives_the_lock
             return took
 
         async def main() -> list[float]:
-            tries = [await attempt(f"handed-{i}") for i in range(4)]
-            return [took for took in tries if took is not None]
+            # Until a cancel lands: on a busy machine, or where the send can
+            # swallow it (Python < 3.12), many attempts may not.
+            landed: list[float] = []
+            for i in range(16):
+                took = await attempt(f"handed-{i}")
+                if took is not None:
+                    landed.append(took)
+                    if len(landed) == 2:
+                        break
+            return landed
 
         took = asyncio.run(main())
     assert took, "no attempt's cancel landed on the waiter's EXTEND"

@@ -319,10 +319,10 @@ def test_watchdog_keeps_a_hold_alive_across_a_brief_outage():
     # The lock survives the restart on disk; the renewer must retry, not give up.
     with (
         dedicated("--appendonly", "yes", "--appendfsync", "always") as server,
-        mutex("inventory", ttl=1.0) as lock,
+        mutex("inventory", ttl=2.0) as lock,
     ):
         server.restart()
-        deadline = time.monotonic() + 2.0  # twice the lease
+        deadline = time.monotonic() + 4.0  # twice the lease
         while time.monotonic() < deadline:
             assert lock.owned()
             time.sleep(0.1)

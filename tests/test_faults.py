@@ -436,7 +436,7 @@ def sections_args(name: str, counter: str, barrier: str, **options: object) -> l
 def test_waiter_takes_over_promptly_when_a_killed_holders_lease_ends(
     start: Callable[..., WorkerRun], raw: redis.Redis, data_key: Callable[[str], str]
 ) -> None:
-    ttl = 1.0
+    ttl = 2.0
     counter = data_key("counter")
     holder = start("fault_hold.py", "killed", ttl, counter, data_key("holder-gate"))
     waiter = start(
@@ -472,8 +472,9 @@ def test_waiter_takes_over_promptly_when_a_killed_holders_lease_ends(
     print(f"\ntakeover {takeover * 1000:.1f} ms after the killed holder's lease ended")
     assert taken.enter >= acquired["before"] + ttl - 0.01, "taken before the lease ended"
     # The waiter's BLPOP times out on Redis's timer, which fires up to one tick late (1/hz:
-    # 100 ms at the default hz 10); then one round trip. Plus slack for a loaded machine.
-    assert takeover < 0.1 + 0.05 + 0.15, f"taken {takeover * 1000:.1f} ms after the lease ended"
+    # 100 ms at the default hz 10); then one round trip. Plus slack for a loaded machine,
+    # still well below the waiter's 1 s check-in.
+    assert takeover < 0.1 + 0.05 + 0.35, f"taken {takeover * 1000:.1f} ms after the lease ended"
     assert history.violations() == []
     assert history.counter_violations(counters(raw, counter, history)) == []
     assert not Mutex("killed").locked()

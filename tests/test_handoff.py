@@ -21,7 +21,7 @@ from typing import Any
 
 import redis
 
-from django_redis_mutex import Mutex, scripts
+from django_redis_mutex import Mutex, held_locks, scripts
 from django_redis_mutex.acquisition import start
 from django_redis_mutex.driver import Pop, Steps, _do, run_steps
 from django_redis_mutex.keys import LockKeys
@@ -136,6 +136,29 @@ def test_a_lapsed_hand_over_is_not_taken_for_a_new_one(raw: redis.Redis) -> None
     other.release()
 
 
+def test_only_an_attempts_first_place_in_line_skips_clearing_its_wake_up_list(
+    raw: redis.Redis,
+) -> None:
+    """A new token cannot have been handed anything; every later place of it may have been."""
+    lock = Mutex("first-place", timeout=10)
+    attempt = start(lock, True, 10)
+    assert lock._acquire_args(attempt, False)[3] == 0  # trying once joins no line
+    assert lock._acquire_args(attempt, True)[3] == 2
+    assert lock._acquire_args(attempt, True)[3] == 1
+    assert lock._acquire_args(start(lock, True, 10), True)[3] == 2  # a new attempt, a new token
+
+    # The script: a first place leaves the (impossible) list alone, a later new place clears it.
+    keys = lock.keys
+    assert scripts.run(raw, scripts.ACQUIRE, keys.with_wake("h1"), ["h1", 10_000, "{}", "0"])
+    for joining, left in (("2", 1), ("1", 0)):
+        raw.rpush(keys.wake("w1"), "stale")
+        args = ["w1", 9_000, "{}", joining]
+        assert scripts.run(raw, scripts.ACQUIRE, keys.with_wake("w1"), args)[0] == 0
+        assert raw.llen(keys.wake("w1")) == left
+        scripts.run(raw, scripts.CANCEL, keys.with_wake("w1"), ["w1"])
+        raw.delete(keys.wake("w1"))
+
+
 def server_us(raw: redis.Redis) -> int:
     seconds, micros = raw.time()
     return seconds * 1_000_000 + micros
@@ -191,6 +214,25 @@ def test_a_release_with_only_lapsed_waiters_frees_the_lock(raw: redis.Redis) -> 
     assert raw.zcard(keys.queue) == 0 and raw.hlen(keys.waiting) == 0
 
 
+def test_listings_count_only_the_places_in_line_still_held(raw: redis.Redis) -> None:
+    """A waiter that stopped renewing its place is not listed as waiting, though still in line."""
+    keys = Mutex("counted-line").keys
+    assert scripts.run(raw, scripts.ACQUIRE, keys.with_wake("h1"), ["h1", 10_000, "{}", "1"])
+    for token in ("live1", "gone2", "live3"):
+        assert join_line(raw, keys, token)[0] == 0
+    record = raw.hget(keys.waiting, "gone2")
+    assert record is not None
+    raw.hset(keys.waiting, "gone2", b"1|" + record.split(b"|", 1)[1])  # lapsed long ago
+    raw.zadd(keys.queue, {"older4": 4})
+    raw.hset(keys.waiting, "older4", '60000|{"host": "older"}')  # an older version's: live
+    raw.zadd(keys.queue, {"odd5": 5})
+    raw.hset(keys.waiting, "odd5", "x|y|z")  # unreadable: skipped by the scripts too
+
+    assert raw.zcard(keys.queue) == 5
+    [listed] = held_locks()
+    assert listed.waiters == 3
+
+
 def test_a_waiter_queued_by_an_older_version_is_handed_the_lock(raw: redis.Redis) -> None:
     """An older version kept a waiter's lease apart and its record as "<ttl>|<owner>"."""
     keys = Mutex("older-waiter").keys
@@ -205,6 +247,21 @@ def test_a_waiter_queued_by_an_older_version_is_handed_the_lock(raw: redis.Redis
     # Its hand-over lease is capped as any waiter's is.
     assert 0 < raw.pttl(keys.lock) <= scripts.HANDOFF_LEASE * 1000
     assert raw.zrange(keys.queue, 0, -1) == [b"new2"]
+
+
+def test_a_lock_an_older_version_handed_to_a_new_waiter_still_names_its_owner(
+    raw: redis.Redis,
+) -> None:
+    """An older release read a new waiter's "<lease end>|<ttl>|<owner>" as "<ttl>|<owner>"."""
+    keys = Mutex("older-release").keys
+    owner = '{"host": "newer", "pid": 7, "thread": "t", "label": "a|b"}'
+    raw.hset(keys.lock, mapping={"token": "w1", "fence": 3, "owner": f"60000|{owner}"})
+    raw.pexpire(keys.lock, 10_000)
+
+    [listed] = held_locks()
+    assert (listed.owner.host, listed.owner.pid, listed.owner.label) == ("newer", 7, "a|b")
+    seen = Mutex("older-release").owner()
+    assert seen is not None and seen.label == "a|b"
 
 
 def test_an_unreadable_waiter_record_is_skipped(raw: redis.Redis) -> None:

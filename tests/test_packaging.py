@@ -11,6 +11,7 @@ Redis.
 from __future__ import annotations
 
 import importlib.metadata
+import io
 import json
 import os
 import re
@@ -23,6 +24,7 @@ import zipfile
 from pathlib import Path
 
 import pytest
+from django.core.management import call_command
 
 import django_redis_mutex
 
@@ -37,10 +39,13 @@ REQUIRED_FILES = (
     "django_redis_mutex/templates/django_redis_mutex/503.html",
     "django_redis_mutex/templates/django_redis_mutex/admin/locks.html",
     "django_redis_mutex/templates/django_redis_mutex/admin/release.html",
+    "django_redis_mutex/templates/django_redis_mutex/admin/page.html",
+    "django_redis_mutex/templates/django_redis_mutex/panels/head.html",
     "django_redis_mutex/static/django_redis_mutex/admin/locks.js",
     "django_redis_mutex/migrations/__init__.py",
     "django_redis_mutex/migrations/0001_initial.py",
     "django_redis_mutex/migrations/0002_semaphore.py",
+    "django_redis_mutex/migrations/_unmanaged.py",
     "django_redis_mutex/management/__init__.py",
     "django_redis_mutex/management/commands/__init__.py",
     "django_redis_mutex/management/commands/locks.py",
@@ -469,3 +474,11 @@ def test_the_contributing_page_names_every_module_of_the_package() -> None:
         if f"``{module}``" not in layout and f"``{Path(module).name}``" not in layout
     ]
     assert missing == []
+
+
+@pytest.mark.django_db
+def test_the_migrations_build_exactly_the_models_declared() -> None:
+    """The migrations share their one shape (migrations/_unmanaged.py): they must still match."""
+    out = io.StringIO()
+    call_command("makemigrations", "django_redis_mutex", check=True, dry_run=True, stdout=out)
+    assert "No changes detected" in out.getvalue()

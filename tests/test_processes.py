@@ -146,7 +146,7 @@ def test_release_wakes_waiting_process_at_once(
     taken = waiter.expect("acquired")
 
     gap = taken["t"] - released_at
-    assert 0 < gap < 0.5, f"waiter acquired {gap * 1000:.1f} ms after the release"
+    assert 0 < gap < 0.8, f"waiter acquired {gap * 1000:.1f} ms after the release"
     assert waiter.finish() == 0
 
 

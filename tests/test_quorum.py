@@ -28,7 +28,7 @@ from django_redis_mutex.testing import RedisServer
 
 from .helpers import wait_until
 from .testapp.models import Counter
-from .topologies import redis_servers
+from .topologies import LOADED_QUORUM_TIMEOUT, redis_servers
 
 ALIASES = ["r1", "r2", "r3"]
 
@@ -47,9 +47,20 @@ def quorum_caches(masters: list[RedisServer], mutex_prefix: str) -> Iterator[lis
             "BACKEND": "django_redis.cache.RedisCache",
             "LOCATION": server.url,
             "OPTIONS": {"SOCKET_CONNECT_TIMEOUT": 0.5, "SOCKET_TIMEOUT": 1},
-            "MUTEX": {"PREFIX": mutex_prefix, "TIMEOUT": 2},
+            "MUTEX": {
+                "PREFIX": mutex_prefix,
+                "TIMEOUT": 2,
+                "QUORUM_TIMEOUT": LOADED_QUORUM_TIMEOUT,
+            },
         }
-    caches["locks"] = {**caches["r1"], "MUTEX": {"PREFIX": mutex_prefix, "QUORUM": ALIASES}}
+    caches["locks"] = {
+        **caches["r1"],
+        "MUTEX": {
+            "PREFIX": mutex_prefix,
+            "QUORUM": ALIASES,
+            "QUORUM_TIMEOUT": LOADED_QUORUM_TIMEOUT,
+        },
+    }
     with override_settings(CACHES=caches):
         yield masters
     for server in masters:
@@ -178,8 +189,8 @@ def test_partial_grant_is_undone(quorum_caches):
 
 
 def test_watchdog_keeps_a_quorum_lock_past_its_ttl(quorum_caches):
-    with mutex("long", using=ALIASES, ttl=0.3) as lock:
-        threading.Event().wait(1.0)
+    with mutex("long", using=ALIASES, ttl=0.8) as lock:
+        threading.Event().wait(2.0)  # two and a half leases: only renewals keep it
         assert lock.owned()
         assert not Mutex("long", using=ALIASES, reentrant=False).acquire(blocking=False)
 

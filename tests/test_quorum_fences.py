@@ -76,7 +76,7 @@ def test_a_renewal_raises_the_fence_before_a_dead_holders_lease_ends(
     quorum_caches: list[RedisServer],  # noqa: F811
 ) -> None:
     run_ahead(quorum_caches[0], "r1", "renewed")
-    first = Mutex("renewed", using=ALIASES, ttl=0.6)
+    first = Mutex("renewed", using=ALIASES, ttl=0.8)
     assert first.acquire()
     hold = first._current()
     assert hold is not None and first.fence is not None

@@ -42,7 +42,7 @@ from django_redis_mutex.keys import LockKeys
 from django_redis_mutex.testing import RedisServer
 
 from .helpers import ROOT, wait_until
-from .topologies import extra_caches, master_entries, redis_servers
+from .topologies import LOADED_QUORUM_TIMEOUT, extra_caches, master_entries, redis_servers
 from .worker import Worker
 
 ALIASES = ["m1", "m2", "m3"]
@@ -106,11 +106,12 @@ def masters() -> Iterator[list[RedisServer]]:
 
 def quorum_entries(masters: list[RedisServer], prefix: str) -> dict[str, dict[str, Any]]:
     """Return the CACHES entries m1..m3 and q (QUORUM over them) for this test's namespace."""
-    entries = master_entries(masters, ALIASES, prefix, TIMEOUT=2)
+    deadline = LOADED_QUORUM_TIMEOUT
+    entries = master_entries(masters, ALIASES, prefix, TIMEOUT=2, QUORUM_TIMEOUT=deadline)
     entries["m3"]["KEY_PREFIX"] = "tests-m3"
     entries[QUORUM] = {
         **copy.deepcopy(entries["m1"]),
-        "MUTEX": {"PREFIX": prefix, "QUORUM": ALIASES, "TIMEOUT": 2},
+        "MUTEX": {"PREFIX": prefix, "QUORUM": ALIASES, "TIMEOUT": 2, "QUORUM_TIMEOUT": deadline},
     }
     return entries
 

@@ -10,17 +10,37 @@ socket timeout, and the two others still make a majority.
 from __future__ import annotations
 
 import asyncio
+import copy
 import os
 import time
+from collections.abc import Iterator
 from typing import Any
 
 import pytest
 from django.conf import settings
+from django.test import override_settings
 
 from django_redis_mutex import LockBackendUnavailable, Mutex
 from django_redis_mutex.testing import RedisServer
 
 from .test_quorum import ALIASES, masters, quorum_caches  # noqa: F401  (fixtures)
+
+
+@pytest.fixture
+def hung_masters_deadline(
+    quorum_caches: list[RedisServer],  # noqa: F811  (the imported fixture)
+) -> Iterator[list[RedisServer]]:
+    """The quorum's masters with the default per-master deadline (QUORUM_TIMEOUT, 0.05 s).
+
+    The quorum fixture lengthens it (LOADED_QUORUM_TIMEOUT); these tests measure
+    that a hung master costs that deadline, not the socket timeout.
+    """
+    caches = copy.deepcopy(settings.CACHES)
+    for alias in ALIASES:
+        caches[alias]["MUTEX"].pop("QUORUM_TIMEOUT")
+    with override_settings(CACHES=caches):
+        yield quorum_caches
+
 
 READS = ("owned", "locked", "owner", "time_left")
 FREE = {"owned": False, "locked": False, "owner": None, "time_left": 0.0}
@@ -82,18 +102,18 @@ def test_sync_and_async_reads_agree(options: dict[str, Any]) -> None:
 
 @pytest.mark.parametrize("way", ["sync", "async"])
 def test_quorum_reads_answer_from_the_majority_while_one_master_hangs(
-    quorum_caches: list[RedisServer],  # noqa: F811  (the imported fixture)
+    hung_masters_deadline: list[RedisServer],
     way: str,
 ) -> None:
     holder = Mutex("hung-reads", using=ALIASES, ttl=LEASE, watchdog=False, label="reader")
     bystander = Mutex("hung-reads", using=ALIASES)
     assert holder.acquire()
-    quorum_caches[2].pause()
+    hung_masters_deadline[2].pause()
     try:
         from_holder = read_all(holder, way)
         from_bystander = read_all(bystander, way)
     finally:
-        quorum_caches[2].resume()
+        hung_masters_deadline[2].resume()
         holder.release()
 
     assert_held_by_this_process(answers(from_holder), answers(from_bystander))
@@ -106,13 +126,13 @@ def test_quorum_reads_answer_from_the_majority_while_one_master_hangs(
 
 @pytest.mark.parametrize("way", ["sync", "async"])
 def test_quorum_reads_fail_fast_and_clearly_when_two_masters_hang(
-    quorum_caches: list[RedisServer],  # noqa: F811  (the imported fixture)
+    hung_masters_deadline: list[RedisServer],
     way: str,
 ) -> None:
     holder = Mutex("two-hung-reads", using=ALIASES, ttl=LEASE, watchdog=False)
     assert holder.acquire()
-    quorum_caches[0].pause()
-    quorum_caches[1].pause()
+    hung_masters_deadline[0].pause()
+    hung_masters_deadline[1].pause()
     took: dict[str, float] = {}
     try:
         for what in READS:
@@ -121,8 +141,8 @@ def test_quorum_reads_fail_fast_and_clearly_when_two_masters_hang(
                 read(holder, what, way)
             took[what] = time.monotonic() - started
     finally:
-        quorum_caches[0].resume()
-        quorum_caches[1].resume()
+        hung_masters_deadline[0].resume()
+        hung_masters_deadline[1].resume()
         holder.release()
     socket_timeout = settings.CACHES[ALIASES[0]]["OPTIONS"]["SOCKET_TIMEOUT"]
     assert max(took.values()) < socket_timeout / 2, took

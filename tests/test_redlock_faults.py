@@ -31,7 +31,13 @@ from django_redis_mutex.keys import LockKeys
 from django_redis_mutex.testing import RedisServer
 
 from .helpers import wait_until
-from .topologies import SectionWorkers, extra_caches, master_entries, redis_servers
+from .topologies import (
+    LOADED_QUORUM_TIMEOUT,
+    SectionWorkers,
+    extra_caches,
+    master_entries,
+    redis_servers,
+)
 
 ALIASES = ["q1", "q2", "q3"]
 FOREIGN_OWNER = {"host": "elsewhere", "pid": 4242, "thread": "MainThread", "label": "foreign"}
@@ -46,7 +52,10 @@ def masters() -> Iterator[list[RedisServer]]:
 @pytest.fixture
 def quorum(masters: list[RedisServer], mutex_prefix: str) -> Iterator[list[RedisServer]]:
     """Three master aliases q1..q3 in this test's namespace; dead masters are revived after."""
-    with extra_caches(master_entries(masters, ALIASES, mutex_prefix, TIMEOUT=2)):
+    entries = master_entries(
+        masters, ALIASES, mutex_prefix, TIMEOUT=2, QUORUM_TIMEOUT=LOADED_QUORUM_TIMEOUT
+    )
+    with extra_caches(entries):
         yield masters
     for server in masters:
         if server.process is None:
@@ -356,9 +365,9 @@ def test_async_extend_and_release_with_one_master_down(quorum: list[RedisServer]
 
 
 def test_watchdog_keeps_a_quorum_lock_with_one_master_down(quorum: list[RedisServer]) -> None:
-    with mutex("renewed", using=ALIASES, ttl=0.5) as lock:
+    with mutex("renewed", using=ALIASES, ttl=0.8) as lock:
         quorum[1].kill()
-        threading.Event().wait(1.5)  # three leases: only renewals on two masters keep it
+        threading.Event().wait(2.4)  # three leases: only renewals on two masters keep it
 
         assert lock.owned() and not lock.lost
         assert not Mutex("renewed", using=ALIASES, reentrant=False).acquire(blocking=False)

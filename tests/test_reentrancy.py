@@ -213,12 +213,16 @@ def test_a_quorum_hold_is_not_nested_into_by_a_plain_lock_on_one_of_its_masters(
 
 @pytest.fixture
 def quorum_aliases(mutex_prefix: str) -> Any:
-    from .topologies import extra_caches, master_entries, redis_servers
+    from .topologies import LOADED_QUORUM_TIMEOUT, extra_caches, master_entries, redis_servers
 
     aliases = ["n1", "n2", "n3"]
     with (
         redis_servers(len(aliases)) as servers,
-        extra_caches(master_entries(servers, aliases, mutex_prefix, TIMEOUT=2)),
+        extra_caches(
+            master_entries(
+                servers, aliases, mutex_prefix, TIMEOUT=2, QUORUM_TIMEOUT=LOADED_QUORUM_TIMEOUT
+            )
+        ),
     ):
         yield aliases
 

@@ -179,11 +179,11 @@ def test_one_dead_reader_does_not_keep_the_lock_from_a_writer_after_the_live_one
 
 
 def test_the_watchdog_renews_a_shared_hold_past_its_lease() -> None:
-    with mutex("renewed-read", shared=True, ttl=0.4) as reader:
+    with mutex("renewed-read", shared=True, ttl=0.8) as reader:
         hold = reader._current()
         assert hold is not None
         wait_until(
-            lambda: max(lease.sent for lease in hold.leases.values()) > hold.acquired_at + 0.5,
+            lambda: max(lease.sent for lease in hold.leases.values()) > hold.acquired_at + 0.9,
             10,
             "a renewal sent after the first lease would have ended",
         )

@@ -192,6 +192,20 @@ def test_reentrant_acquisition_sends_no_second_pair(receive: Any) -> None:
     assert len(released) == 1
 
 
+def test_lock_released_tells_the_hold_exclusive_when_a_shared_handle_ends_it(
+    receive: Any,
+) -> None:
+    """A shared handle joins its owner's exclusive hold; what ends is still that exclusive hold."""
+    released = receive(lock_released)
+    reader = Mutex("inventory", shared=True)
+    with mutex("inventory"):
+        assert reader.acquire()  # joins the block's exclusive hold
+    assert released == []  # the reader still holds a level of it
+    reader.release()
+    [call] = released
+    assert call["kwargs"]["shared"] is False
+
+
 def test_failing_lock_acquired_receiver_gives_the_lock_back():
     def broken_receiver(**kwargs):
         raise RuntimeError("boom")

@@ -213,7 +213,7 @@ def sync_workload() -> None:
         with pytest.raises(LockContended), Mutex("tls:job", blocking=False, reentrant=False):
             pass
     # ttl 0.6 s, held for 2 s: only the watchdog's renewals keep it.
-    with mutex("tls:renew", ttl=0.6) as renewed:
+    with mutex("tls:renew", ttl=0.8) as renewed:
         started = time.monotonic()
         while time.monotonic() - started < 2.0:
             assert renewed.owned()
@@ -241,7 +241,7 @@ async def async_workload(admin: redis.Redis) -> None:
     assert await waiting  # handed over and woken over TLS (BLPOP on the async client)
     assert await second.atime_left() > 0
     await second.arelease()
-    async with mutex("tls:async-renew", ttl=0.6) as renewed:
+    async with mutex("tls:async-renew", ttl=0.8) as renewed:
         started = time.monotonic()
         while time.monotonic() - started < 2.0:
             assert await renewed.aowned()
@@ -363,7 +363,7 @@ def test_a_cluster_lock_alias_works_over_tls(certs: Certificates) -> None:
             for name in names:
                 with mutex(name, ttl=5) as lock:
                     assert lock.owned()
-            with mutex("tls:cluster-renew", ttl=0.6) as renewed:
+            with mutex("tls:cluster-renew", ttl=0.8) as renewed:
                 started = time.monotonic()
                 while time.monotonic() - started < 2.0:
                     assert renewed.owned()
@@ -475,7 +475,7 @@ def test_a_sentinel_lock_alias_works_over_tls(certs: Certificates) -> None:
         }
         check = master.admin()
         with override_settings(CACHES=caches):
-            with mutex("tls:sentinel", ttl=0.6) as lock:
+            with mutex("tls:sentinel", ttl=0.8) as lock:
                 assert check.hget("tests:mutextls:{tls:sentinel}", "token") == lock.token.encode()
                 started = time.monotonic()
                 while time.monotonic() - started < 1.5:

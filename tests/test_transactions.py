@@ -25,6 +25,7 @@ from typing import Any
 import pytest
 from django.core.management import call_command
 from django.db import connections, transaction
+from django.db.models import F
 from django.test import Client
 
 from django_redis_mutex import (
@@ -39,10 +40,12 @@ from django_redis_mutex import (
     semaphore,
     signals,
 )
+from django_redis_mutex.testing import RedisServer
 from tests.testapp.models import Counter
 
 from .databases import MariaDBServer, PostgresServer, configured, create_database
 from .helpers import wait_until
+from .test_declared_keys import Monitor, monitored  # noqa: F401  (the imported fixture)
 from .worker import Worker
 
 DATABASES = ["sqlite", "postgresql", "mariadb"]
@@ -352,6 +355,52 @@ def test_the_lock_is_free_at_once_after_the_commit(
             assert not _free_for_others(name), "given back before the transaction ended"
         assert _free_for_others(name), "still held after the COMMIT"
         assert value_of(alias, row) == 7
+
+
+def _redis_round_trips(server: RedisServer, action: Callable[[], None]) -> list[str]:
+    """Run ``action``; return the commands it sent to ``server`` (not those scripts ran).
+
+    The monitor's own stop marker comes on a connection of its own, whose
+    greeting (HELLO) is left out too.
+    """
+    monitor = Monitor(server.port)
+    try:
+        action()
+    finally:
+        commands = monitor.stop()
+    return [
+        command.name for command in commands if command.source != "lua" and command.name != "HELLO"
+    ]
+
+
+def test_a_transaction_costs_a_lock_one_round_trip_and_no_transaction_none(
+    alias: str,
+    row: int,
+    django_db_blocker: Any,
+    monitored: tuple[RedisServer, Any],  # noqa: F811  (the imported fixture)
+) -> None:
+    server, _ = monitored
+    name = f"rows:{alias}:{row}"
+
+    def bump() -> None:
+        with mutex(name, ttl=30):
+            Counter.objects.using(alias).filter(pk=row).update(value=F("value") + 1)
+
+    def bump_in_transaction() -> None:
+        with transaction.atomic(using=alias):
+            bump()
+
+    with django_db_blocker.unblock():
+        bump()  # every script loaded, connections made: the runs below are steady
+        bump_in_transaction()
+        outside = _redis_round_trips(server, bump)
+        inside = _redis_round_trips(server, bump_in_transaction)
+        assert value_of(alias, row) == 4
+    # Take and give back; in a transaction, the mark of the kept hold as well
+    # (the give-back itself is only put off to the commit).
+    assert outside == ["EVALSHA", "EVALSHA"]
+    assert inside == ["EVALSHA", "EVALSHA", "EVALSHA"]
+    assert _free_for_others(name)
 
 
 def test_the_lock_is_free_at_once_after_a_rollback(

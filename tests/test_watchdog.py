@@ -59,13 +59,13 @@ def test_extend_racing_a_renewal_keeps_the_longer_lease():
 
 def test_clean_exit_never_reports_lost_when_release_races_a_renewal():
     # Holds end anywhere from before the first renewal (a third into the
-    # 150 ms lease) to well after it, so releases meet renewals in flight.
-    # The lease is long enough that only a stall of the whole process (150 ms,
-    # on a loaded machine) could let it lapse for real.
+    # 450 ms lease) to well after it, so releases meet renewals in flight.
+    # The lease is long enough that only a stall of the whole process (about
+    # 300 ms, on a loaded machine) could let it lapse for real.
     # A block's exit raises LockLost if it took a race for a loss.
-    for i in range(200):
-        with mutex(f"race-{i % 5}", ttl=0.15) as lock:
-            time.sleep(random.uniform(0, 0.1))
+    for i in range(80):
+        with mutex(f"race-{i % 5}", ttl=0.45) as lock:
+            time.sleep(random.uniform(0.05, 0.25))
         assert not lock.lost
 
 
@@ -73,7 +73,7 @@ def test_a_lock_reset_under_its_holder_is_still_reported_lost():
     with pytest.raises(LockLost), mutex("really-lost", ttl=0.3) as lock:
         reset("really-lost")
         assert wait_until(lambda: lock.lost, timeout=5)
-        hold = lock._hold
+        hold = lock._current()
     assert not get_watchdog().watching(hold)
 
 
@@ -89,7 +89,7 @@ def test_watchdog_stops_on_not_owner_and_tells_the_holder():
     signals.lock_lost.connect(on_lost)
     try:
         with pytest.raises(LockLost, match="watched"), mutex("watched", ttl=0.3) as lock:
-            hold = lock._hold
+            hold = lock._current()
             assert reset("watched")
             assert wait_until(lambda: lock.lost, timeout=3)
             assert not get_watchdog().watching(hold)
@@ -101,7 +101,7 @@ def test_watchdog_stops_on_not_owner_and_tells_the_holder():
 
 def test_watchdog_stops_renewing_after_release():
     with mutex("brief", ttl=0.3) as lock:
-        hold = lock._hold
+        hold = lock._current()
         assert get_watchdog().watching(hold)
     assert not get_watchdog().watching(hold)
 
@@ -123,7 +123,7 @@ def test_one_renewal_failing_in_a_round_does_not_cost_the_other_holds_their_rene
     survivor = Mutex("survivor", ttl=1.2, watchdog=False)
     victim = Mutex("victim", ttl=1.2, watchdog=False)
     assert survivor.acquire() and victim.acquire()
-    holds = [survivor._hold, victim._hold]
+    holds = [survivor._current(), victim._current()]
     # Both due at the same moment, so the lane renews them in one pipeline.
     due_from = time.monotonic()
     for hold in holds:

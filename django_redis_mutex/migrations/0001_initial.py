@@ -1,6 +1,8 @@
 """Declare the unmanaged Lock model so Django creates its permissions (no table is made)."""
 
-from django.db import migrations, models
+from django.db import migrations
+
+from ._unmanaged import unmanaged_model
 
 
 class Migration(migrations.Migration):
@@ -9,22 +11,5 @@ class Migration(migrations.Migration):
     dependencies = []
 
     operations = [
-        migrations.CreateModel(
-            name="Lock",
-            fields=[
-                (
-                    "name",
-                    models.CharField(
-                        max_length=1024, primary_key=True, serialize=False, verbose_name="name"
-                    ),
-                ),
-            ],
-            options={
-                "verbose_name": "lock",
-                "verbose_name_plural": "locks",
-                "permissions": [("release_lock", "Can force-release locks")],
-                "managed": False,
-                "default_permissions": ("view",),
-            },
-        ),
+        unmanaged_model("Lock", "lock", [("release_lock", "Can force-release locks")], ("view",)),
     ]

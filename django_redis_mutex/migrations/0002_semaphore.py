@@ -1,6 +1,8 @@
 """Declare the unmanaged Semaphore model so Django creates its permission (no table is made)."""
 
-from django.db import migrations, models
+from django.db import migrations
+
+from ._unmanaged import unmanaged_model
 
 
 class Migration(migrations.Migration):
@@ -9,22 +11,7 @@ class Migration(migrations.Migration):
     ]
 
     operations = [
-        migrations.CreateModel(
-            name="Semaphore",
-            fields=[
-                (
-                    "name",
-                    models.CharField(
-                        max_length=1024, primary_key=True, serialize=False, verbose_name="name"
-                    ),
-                ),
-            ],
-            options={
-                "verbose_name": "semaphore",
-                "verbose_name_plural": "semaphores",
-                "permissions": [("reset_semaphore", "Can reset semaphores")],
-                "managed": False,
-                "default_permissions": (),
-            },
+        unmanaged_model(
+            "Semaphore", "semaphore", [("reset_semaphore", "Can reset semaphores")], ()
         ),
     ]
