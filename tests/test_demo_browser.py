@@ -168,6 +168,23 @@ def _stock_of(page: Any, product: str) -> int:
     return int(page.locator("tr", has_text=product).locator("td").nth(1).inner_text())
 
 
+def _answer_on(page: Any, playwright_api: Any) -> str | None:
+    """The text of the answer ``page`` shows to its Reserve click, or None while it has none.
+
+    The answer is a message on the inventory page (reserved, or too few
+    left) or the 503 page. The inventory page without a message is the page
+    before its click navigated: its answer is still to come.
+    """
+    try:
+        if page.locator("p.msg").count() or (
+            "/reserve/" in page.url and page.locator("h1").count()
+        ):
+            return str(page.locator("body").inner_text())
+    except playwright_api.Error:
+        return None  # the page navigated while being read: look again
+    return None
+
+
 def test_concurrent_reserve_clicks_never_oversell(
     demo: Demo, browser: Any, playwright_api: Any
 ) -> None:
@@ -189,23 +206,19 @@ def test_concurrent_reserve_clicks_never_oversell(
             page.locator("tr", has_text="Grinder").locator("button").evaluate(
                 "button => button.click()"
             )
-        answers = []
-        for page in pages:
-            page.wait_for_load_state()
-            # The answer is a message on the inventory page (reserved, or too
-            # few left) or the 503 page. The inventory page alone is the page
-            # before its click navigated: its answer is still to come.
-            wait_for(
-                lambda page=page: (
-                    page.locator("p.msg").count()
-                    or ("/reserve/" in page.url and page.locator("h1").count())
-                ),
-                60,
-                "the reservation's answer",
-                0.2,
-            )
-            answers.append(page.locator("body").inner_text())
-        reserved = sum("Reserved one Grinder" in answer for answer in answers)
+        # Every tab is watched in turn: the inventory page reloads itself every
+        # 5 s (meta refresh) and a reload no longer shows the message, so a
+        # tab read only after the others' answers could have lost its own.
+        answers: dict[int, str] = {}
+
+        def every_answer() -> bool:
+            for index, page in enumerate(pages):
+                if index not in answers and (answer := _answer_on(page, playwright_api)):
+                    answers[index] = answer
+            return len(answers) == len(pages)
+
+        wait_for(every_answer, 60, "every tab's reservation answer", 0.05)
+        reserved = sum("Reserved one Grinder" in answer for answer in answers.values())
         after = _stock_of(pages[0], "Grinder")
         assert after >= 0
         assert before - after == reserved, answers
