@@ -18,21 +18,25 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from itertools import pairwise
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 __all__ = [
     "CLUSTER_COMMANDS",
     "LOCK_COMMANDS",
+    "PortTaken",
     "RedisClusterServers",
     "RedisServer",
     "find_redis_server",
     "free_port",
     "lock_acl_rules",
     "port_is_free",
+    "start_on_a_picked_port",
 ]
+
+T = TypeVar("T")
 
 # Every command the app sends to a lock alias's Redis, for a least-privilege
 # ACL user. Redis checks a script's own redis.call() commands and keys against
@@ -164,6 +168,32 @@ def free_port(*, cluster: bool = False) -> int:
     raise RuntimeError("No free pair of ports for a Redis Cluster node.")
 
 
+class PortTaken(OSError):
+    """A server could not bind the port picked for it: another process holds it now."""
+
+    def __init__(self, port: int, message: str) -> None:
+        super().__init__(errno.EADDRINUSE, message)
+        self.port = port
+
+
+def start_on_a_picked_port(
+    start: Callable[[], T], pick_again: Callable[[], None], *, attempts: int = 5
+) -> T:
+    """Return ``start()``; each time it raises :class:`PortTaken`, call ``pick_again()`` and retry.
+
+    A port picked as free is bound later, by another process, and anything on
+    the machine (an outgoing connection, another test's server) can take it in
+    between. ``start`` says so by raising PortTaken; ``pick_again`` moves the
+    server to a fresh port (:func:`free_port`). The last attempt's error propagates.
+    """
+    for _ in range(attempts - 1):
+        try:
+            return start()
+        except PortTaken:
+            pick_again()
+    return start()
+
+
 # What redis-py's cluster client adds: the slot map, and COMMAND, from which
 # it learns where each command's keys are.
 CLUSTER_COMMANDS: tuple[str, ...] = ("cluster|slots", "command")
@@ -257,15 +287,13 @@ class RedisServer:
         """
         if self.process is not None and self.process.poll() is None:
             return self
-        for _ in range(5):
-            try:
-                return self._start_once(timeout)
-            except OSError as error:
-                if not (self._may_move and error.errno == errno.EADDRINUSE):
-                    raise
-                self.port = free_port(cluster=self._cluster)
-                os.remove(self.logfile)  # the next attempt's log tells its own story
-        return self._start_once(timeout)
+        if not self._may_move:
+            return self._start_once(timeout)
+        return start_on_a_picked_port(lambda: self._start_once(timeout), self._pick_again)
+
+    def _pick_again(self) -> None:
+        self.port = free_port(cluster=self._cluster)
+        os.remove(self.logfile)  # the next attempt's log tells its own story
 
     def _start_once(self, timeout: float) -> RedisServer:
         options = {
@@ -293,7 +321,7 @@ class RedisServer:
                     f"{tail}"
                 )
                 if "Address already in use" in tail:
-                    raise OSError(errno.EADDRINUSE, message)
+                    raise PortTaken(self.port, message)
                 raise RuntimeError(message)
             if self.ping():
                 self._may_move = False

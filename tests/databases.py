@@ -36,7 +36,7 @@ import uuid
 from types import TracebackType
 from typing import Any, TypeVar
 
-from django_redis_mutex.testing import free_port, port_is_free
+from django_redis_mutex.testing import PortTaken, free_port, port_is_free, start_on_a_picked_port
 
 __all__ = [
     "MariaDBServer",
@@ -191,17 +191,17 @@ class _Server:
         try:
             deadline = time.monotonic() + timeout
             self._prepare()
-            for _ in range(5):
-                if self._launch(deadline, timeout):
-                    return self
-                self.port = free_port()
-            raise RuntimeError(f"{self.kind} found every port it tried taken")
+            start_on_a_picked_port(lambda: self._launch(deadline, timeout), self._pick_again)
+            return self
         except BaseException:
             self.close()
             raise
 
-    def _launch(self, deadline: float, timeout: float) -> bool:
-        """Start the process; True once it is ready, False if it lost its picked port."""
+    def _pick_again(self) -> None:
+        self.port = free_port()
+
+    def _launch(self, deadline: float, timeout: float) -> None:
+        """Start the process and return once it is ready; PortTaken if it lost its picked port."""
         with open(self.logfile, "ab") as log:
             self.process = subprocess.Popen(
                 self._command(),
@@ -215,7 +215,7 @@ class _Server:
         while not self.ready():
             if self.process.poll() is not None:
                 if self._port_picked and not port_is_free(self.port):
-                    return False
+                    raise PortTaken(self.port, f"{self.kind}: port {self.port} was taken")
                 raise RuntimeError(
                     f"{self.kind} exited with status {self.process.returncode} on port "
                     f"{self.port} before accepting connections. Its log:\n{self.log_tail()}"
@@ -226,7 +226,6 @@ class _Server:
                     f"{timeout}s. Its log:\n{self.log_tail()}"
                 )
             time.sleep(0.05)
-        return True
 
     def stop(self) -> None:
         """Stop the server (its whole process group), by force if it does not go in time."""

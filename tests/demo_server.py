@@ -23,7 +23,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, TypeVar
 
-from django_redis_mutex.testing import free_port, port_is_free
+from django_redis_mutex.testing import PortTaken, free_port, port_is_free, start_on_a_picked_port
 
 from .helpers import ROOT
 
@@ -99,10 +99,6 @@ def demo_env(data_dir: Path, **extra: str) -> dict[str, str]:
     return env
 
 
-class _PortTaken(Exception):
-    """The demo exited at start because another process had taken its picked port."""
-
-
 class Demo:
     """One ``manage.py demo`` process on a free port, with its output in a file."""
 
@@ -125,39 +121,37 @@ class Demo:
         replaced by a fresh one, a few times.
         """
         self.data_dir.mkdir(parents=True, exist_ok=True)
-        for _ in range(5):
-            with open(self.log, "wb") as log:
-                self.process = subprocess.Popen(
-                    [sys.executable, "manage.py", "demo", f"127.0.0.1:{self.port}"],
-                    cwd=ROOT,
-                    env=self.env,
-                    stdout=log,
-                    stderr=subprocess.STDOUT,
-                    start_new_session=True,  # signals from the test reach the demo alone
-                )
-            try:
-                wait_for(self._serving, START_TIMEOUT, f"the demo on {self.url}", 0.3)
-            except TimeoutError:
-                output = self.output()
-                raise AssertionError(f"The demo did not serve {self.url}:\n{output}") from None
-            except _PortTaken:
-                self.port = free_port()
-                self.url = f"http://127.0.0.1:{self.port}"
-                continue
-            break
-        else:
-            raise AssertionError(f"The demo found every port it tried taken:\n{self.output()}")
+        start_on_a_picked_port(self._launch, self._pick_again)
         match = _REDIS_LINE.search(self.output())
         if match:
             self.redis_url, pid, folder = match.groups()
             self.redis_pid, self.redis_folder = int(pid), Path(folder)
         return self
 
+    def _launch(self) -> None:
+        with open(self.log, "wb") as log:
+            self.process = subprocess.Popen(
+                [sys.executable, "manage.py", "demo", f"127.0.0.1:{self.port}"],
+                cwd=ROOT,
+                env=self.env,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,  # signals from the test reach the demo alone
+            )
+        try:
+            wait_for(self._serving, START_TIMEOUT, f"the demo on {self.url}", 0.3)
+        except TimeoutError:
+            raise AssertionError(f"The demo did not serve {self.url}:\n{self.output()}") from None
+
+    def _pick_again(self) -> None:
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+
     def _serving(self) -> bool:
         assert self.process is not None
         if self.process.poll() is not None:
             if not port_is_free(self.port):
-                raise _PortTaken(self.port)
+                raise PortTaken(self.port, f"the demo's port {self.port} was taken")
             status = self.process.returncode
             raise AssertionError(f"The demo exited with {status}:\n{self.output()}")
         try:

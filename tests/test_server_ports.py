@@ -15,7 +15,13 @@ from contextlib import contextmanager
 import pytest
 import redis
 
-from django_redis_mutex.testing import RedisClusterServers, RedisServer, free_port
+from django_redis_mutex.testing import (
+    PortTaken,
+    RedisClusterServers,
+    RedisServer,
+    free_port,
+    start_on_a_picked_port,
+)
 
 from .databases import PostgresServer
 
@@ -67,9 +73,10 @@ def test_a_named_busy_port_is_an_error_naming_it_and_the_server_stays_there() ->
     server = RedisServer(port)
     with (
         listening_on(port),
-        pytest.raises(OSError, match=f"on port {port}: .*Address already in use"),
+        pytest.raises(PortTaken, match=f"on port {port}: .*Address already in use") as taken,
     ):
         server.start()
+    assert taken.value.port == port
     assert server.port == port
     server.close()
 
@@ -109,3 +116,38 @@ def test_a_database_server_whose_picked_port_was_taken_moves_to_a_fresh_one() ->
         assert server.ready()
     finally:
         server.close()
+
+
+def test_start_on_a_picked_port_moves_until_a_start_binds_and_gives_up_after_its_attempts() -> None:
+    ports = iter(range(1, 100))
+    tried: list[int] = []
+    current = [next(ports)]
+
+    def start_taken_until(free_from: int) -> int:
+        tried.append(current[0])
+        if current[0] < free_from:
+            raise PortTaken(current[0], f"port {current[0]} was taken")
+        return current[0]
+
+    def pick_again() -> None:
+        current[0] = next(ports)
+
+    assert start_on_a_picked_port(lambda: start_taken_until(3), pick_again) == 3
+    assert tried == [1, 2, 3]
+
+    tried.clear()
+    with pytest.raises(PortTaken, match="port 7 was taken"):
+        start_on_a_picked_port(lambda: start_taken_until(1000), pick_again, attempts=5)
+    assert tried == [3, 4, 5, 6, 7]
+
+
+def test_start_on_a_picked_port_lets_any_other_error_through_at_once() -> None:
+    calls: list[str] = []
+
+    def start() -> None:
+        calls.append("start")
+        raise RuntimeError("redis-server exited with 1")
+
+    with pytest.raises(RuntimeError, match="exited with 1"):
+        start_on_a_picked_port(start, lambda: calls.append("moved"))
+    assert calls == ["start"]
