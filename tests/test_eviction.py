@@ -24,7 +24,14 @@ from django.core.exceptions import ImproperlyConfigured
 from django.core.management import call_command
 from django.test import Client, override_settings
 
-from django_redis_mutex import LockBackendUnavailable, Mutex, Semaphore, eviction, mutex
+from django_redis_mutex import (
+    LockBackendUnavailable,
+    LockNotOwned,
+    Mutex,
+    Semaphore,
+    eviction,
+    mutex,
+)
 from django_redis_mutex.checks import check_lock_eviction
 from django_redis_mutex.conf import parse_settings
 from django_redis_mutex.testing import (
@@ -99,11 +106,22 @@ def test_filling_an_allkeys_lru_cache_evicts_a_held_lock_and_lets_a_second_owner
             written += 1
         assert not client.exists(first.keys.lock), f"still held after {written} cache writes"
         assert int(client.info("stats")["evicted_keys"]) > 0
+        # Room again (the pages written here go), so the cache at its limit
+        # cannot evict the second owner's keys too: at a 1 s LRU clock they
+        # look as old as the pages.
+        client.delete(*(f"tests:1:page:{page}" for page in range(written)))
         # The first owner is still inside its block, and the second gets in.
         second = Mutex("report", ttl=60, watchdog=False)
         assert second.acquire(blocking=False)
+        # A store that checks fences still refuses the first owner's writes.
         assert first.fence is not None and second.fence is not None
+        assert second.fence > first.fence
+        # The first owner learns at its release, which leaves the second's lock alone.
+        with pytest.raises(LockNotOwned):
+            first.release()
+        assert client.exists(second.keys.lock)
         second.release()
+        assert not client.exists(second.keys.lock)
 
 
 # -- detection at first use --------------------------------------------------------------------
