@@ -69,5 +69,7 @@ nitpick_ignore = [
     # The type variable of the decorated function in mutex() and
     # skip_if_locked(): a typing detail, not part of the API.
     ("py:class", "django_redis_mutex.decorators.F"),
+    # What start() returns, passed through by testing.start_on_a_picked_port().
+    ("py:class", "django_redis_mutex.testing.T"),
 ]
 html_title = f"django-redis-mutex {release}"
