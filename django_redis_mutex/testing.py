@@ -148,24 +148,29 @@ def _ephemeral_floor() -> int:
 def free_port(*, cluster: bool = False) -> int:
     """Return a TCP port on 127.0.0.1 that nothing listens on right now.
 
-    With ``cluster=True`` port + 10000 (the cluster bus) is free too, as Redis
-    Cluster requires. Both then lie below the kernel's ephemeral range where
-    it leaves room, so an outgoing connection of another process cannot take
-    the bus port between this check and the node's start.
+    The port lies below the kernel's ephemeral range where it leaves room:
+    every outgoing connection of any process takes a port from that range, so
+    one could take a port picked there before the server it is for binds it.
+    With ``cluster=True`` port + 10000 (the cluster bus) is free and below
+    that range too, as Redis Cluster requires.
     """
-    if not cluster:
-        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-            sock.bind(("127.0.0.1", 0))
-            return int(sock.getsockname()[1])
     import random
 
-    highest = _ephemeral_floor() - 10000 - 1
-    low, high = (10000, highest) if highest > 12000 else (20000, 45000)
+    bus = 10000 if cluster else 0
+    highest = _ephemeral_floor() - bus - 1
+    if highest > 12000:
+        low, high = 10000, highest
+    elif not cluster:
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+            sock.bind(("127.0.0.1", 0))  # no room below: let the kernel choose
+            return int(sock.getsockname()[1])
+    else:
+        low, high = 20000, 45000
     for _ in range(200):
         port = random.randint(low, high)
-        if port_is_free(port) and port_is_free(port + 10000):
+        if port_is_free(port) and (not cluster or port_is_free(port + bus)):
             return port
-    raise RuntimeError("No free pair of ports for a Redis Cluster node.")
+    raise RuntimeError(f"No free port{' pair' if cluster else ''} between {low} and {high}.")
 
 
 class PortTaken(OSError):

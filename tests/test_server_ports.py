@@ -59,13 +59,15 @@ def test_a_picked_cluster_bus_port_taken_before_the_start_moves_the_node() -> No
         assert answers(server)
 
 
-def test_cluster_ports_leave_the_kernels_ephemeral_range_to_outgoing_connections() -> None:
+def test_picked_ports_leave_the_kernels_ephemeral_range_to_outgoing_connections() -> None:
     with open("/proc/sys/net/ipv4/ip_local_port_range", encoding="ascii") as ports:
         ephemeral_floor = int(ports.read().split()[0])
     if ephemeral_floor < 22000:
         pytest.skip("this kernel's ephemeral range leaves no room below it for a cluster node")
-    picked = [free_port(cluster=True) for _ in range(50)]
-    assert all(port + 10000 < ephemeral_floor for port in picked)
+    picked = [free_port() for _ in range(50)]
+    assert all(10000 <= port < ephemeral_floor for port in picked)
+    nodes = [free_port(cluster=True) for _ in range(50)]
+    assert all(port >= 10000 and port + 10000 < ephemeral_floor for port in nodes)
 
 
 def test_a_named_busy_port_is_an_error_naming_it_and_the_server_stays_there() -> None:
