@@ -48,7 +48,16 @@ def redis_down_message(exc: LockBackendUnavailable) -> str:
     )
 
 
+# How often the inventory page reads its figures again.
+REFRESH_SECONDS = 5
+
+
 def inventory(request: HttpRequest) -> HttpResponse:
+    """The inventory page; with ``?figures=1``, only fresh figures for the page's script.
+
+    A figures-only read leaves the visitor's messages unread: they belong to
+    the page a click is about to show, perhaps in another tab.
+    """
     try:
         locks = held_locks()
         # The last quarter of an hour of contention, as the processes flushed it.
@@ -65,6 +74,8 @@ def inventory(request: HttpRequest) -> HttpResponse:
             "chart": chart,
             "redis_error": redis_error,
             "hold_seconds": settings.DEMO_HOLD_SECONDS,
+            "refresh_seconds": REFRESH_SECONDS,
+            "figures_only": request.GET.get("figures") == "1",
         },
     )
 
