@@ -149,6 +149,24 @@ local function raise_floor(floor)
 end
 """
 
+# A shared holder's record, one field 'r:<token>' of the lock hash: '<lease end
+# ms>|<fence>|<taken ms>|<owner JSON>' (keys.SharedRecord reads it in Python).
+# Read here and nowhere else: its lease end as a number, then the rest as text.
+_SHARED_RECORD = r"""
+local function shared_record(record)
+  local a = string.find(record, '|', 1, true)
+  local b = string.find(record, '|', a + 1, true)
+  local c = string.find(record, '|', b + 1, true)
+  return tonumber(string.sub(record, 1, a - 1)), string.sub(record, a + 1, b - 1),
+         string.sub(record, b + 1, c - 1), string.sub(record, c + 1)
+end
+-- The server clock in ms, to compare with a lease end.
+local function clock_ms()
+  local clock = redis.call('TIME')
+  return tonumber(clock[1]) * 1000 + math.floor(tonumber(clock[2]) / 1000)
+end
+"""
+
 _CONSTANTS = (
     f"local WAIT_LEASE = {int(WAIT_LEASE * 1000)}\n"
     f"local FENCE_RETENTION = {int(FENCE_RETENTION * 1000)}\n"
@@ -240,7 +258,9 @@ end
 """
 
 # The queue: only the contended paths reach these definitions.
-_QUEUE = r"""
+_QUEUE = (
+    _SHARED_RECORD
+    + r"""
 -- A waiter's record in the waiting hash: '<place lease end ms>|<ttl ms>|<owner
 -- JSON>'. A place whose lease ended (its waiter stopped checking in) is
 -- dropped when it comes first in line; until then it only takes up a place.
@@ -294,10 +314,8 @@ end
 
 -- The fields of a shared holder's record: lease end (ms), fence, pttl left.
 local function reader_state(value, now_ms)
-  local a = string.find(value, '|', 1, true)
-  local b = string.find(value, '|', a + 1, true)
-  local ends = tonumber(string.sub(value, 1, a - 1))
-  return ends, string.sub(value, a + 1, b - 1), ends - now_ms
+  local ends, fence = shared_record(value)
+  return ends, fence, ends - now_ms
 end
 
 -- Drop the shared holders whose lease ended; return how many are left, and
@@ -336,14 +354,11 @@ local function holder_in_the_way(now_ms)
   local owner, taken = nil, nil
   for i = 1, #fields, 2 do
     if string.sub(fields[i], 1, 2) == 'r:' then
-      local record = fields[i + 1]
-      local a = string.find(record, '|', 1, true)
-      local b = string.find(record, '|', a + 1, true)
-      local c = string.find(record, '|', b + 1, true)
-      local since = tonumber(string.sub(record, b + 1, c - 1))
-      if tonumber(string.sub(record, 1, a - 1)) > now_ms and (not taken
+      local ends, _, since, holder = shared_record(fields[i + 1])
+      since = tonumber(since)
+      if ends > now_ms and (not taken
           or (LIMIT > 0 and since < taken) or (LIMIT == 0 and since > taken)) then
-        owner, taken = string.sub(record, c + 1), since
+        owner, taken = holder, since
       end
     end
   end
@@ -411,6 +426,7 @@ local function hand_off(expected, live, peeked)
   return hand_to(head, terms, after, expected, live)
 end
 """
+)
 
 
 # How ACQUIRE and ACQUIRE_SHARED start: the granting helpers, and the caller's
@@ -725,6 +741,7 @@ EXTEND = LuaScript(
     argv=("token", "ttl ms", "[floor: a quorum hold's fence, for the fence counter]"),
     returns="1 when renewed, 0 when the caller does not hold the lock",
     source=_FLOOR
+    + _SHARED_RECORD
     + r"""
 if redis.call('HGET', KEYS[1], 'token') == ARGV[1] then
   redis.call('PEXPIRE', KEYS[1], ARGV[2])
@@ -736,15 +753,14 @@ end
 local field = 'r:' .. ARGV[1]
 local record = redis.call('HGET', KEYS[1], field)
 if not record then return 0 end
-local clock = redis.call('TIME')
-local now_ms = tonumber(clock[1]) * 1000 + math.floor(tonumber(clock[2]) / 1000)
-local sep = string.find(record, '|', 1, true)
-if tonumber(string.sub(record, 1, sep - 1)) <= now_ms then
+local now_ms = clock_ms()
+local ends, fence, taken, owner = shared_record(record)
+if ends <= now_ms then
   redis.call('HDEL', KEYS[1], field)
   return 0
 end
 local ttl = tonumber(ARGV[2])
-redis.call('HSET', KEYS[1], field, (now_ms + ttl) .. string.sub(record, sep))
+redis.call('HSET', KEYS[1], field, (now_ms + ttl) .. '|' .. fence .. '|' .. taken .. '|' .. owner)
 if redis.call('PTTL', KEYS[1]) < ttl then redis.call('PEXPIRE', KEYS[1], ttl) end
 raise_floor(ARGV[3])
 return 1
@@ -845,14 +861,14 @@ WAKE = LuaScript(
     argv=("token: the waiter's",),
     returns="1 when pushed, 0 when the lock is no longer that waiter's",
     source=f"local WAIT_LEASE = {int(WAIT_LEASE * 1000)}\n"
+    + _SHARED_RECORD
     + r"""
 local found = redis.call('HMGET', KEYS[1], 'token', 'fence', 'r:' .. ARGV[1])
 local fence = found[2]
 if found[1] ~= ARGV[1] then
-  -- A shared holder's record: '<lease end>|<fence>|...'.
+  -- A shared holder's.
   if found[1] or not found[3] then return 0 end
-  local a = string.find(found[3], '|', 1, true)
-  fence = string.sub(found[3], a + 1, string.find(found[3], '|', a + 1, true) - 1)
+  fence = select(2, shared_record(found[3]))
 end
 local after = redis.call('ZRANGE', KEYS[2], 0, 0)[1] or ''
 redis.call('RPUSH', KEYS[3], fence .. '|' .. after)
@@ -871,20 +887,19 @@ MARK_TRANSACTION = LuaScript(
     keys=("lock",),
     argv=("token", "owner JSON: with the mark"),
     returns="1 when written, 0 when the caller no longer holds the lock",
-    source=r"""
+    source=_SHARED_RECORD
+    + r"""
 if string.sub(ARGV[1], 1, 1) ~= 's' then
   if redis.call('HGET', KEYS[1], 'token') ~= ARGV[1] then return 0 end
   redis.call('HSET', KEYS[1], 'owner', ARGV[2])
   return 1
 end
--- A shared holder's record: '<lease end>|<fence>|<taken>|<owner JSON>'.
+-- A shared holder's record.
 local field = 'r:' .. ARGV[1]
 local record = redis.call('HGET', KEYS[1], field)
 if not record then return 0 end
-local a = string.find(record, '|', 1, true)
-local b = string.find(record, '|', a + 1, true)
-local c = string.find(record, '|', b + 1, true)
-redis.call('HSET', KEYS[1], field, string.sub(record, 1, c) .. ARGV[2])
+local ends, fence, taken = shared_record(record)
+redis.call('HSET', KEYS[1], field, ends .. '|' .. fence .. '|' .. taken .. '|' .. ARGV[2])
 return 1
 """,
 )
@@ -899,20 +914,20 @@ HELD_ALONE = LuaScript(
     keys=("lock",),
     argv=(),
     returns="1 if such a lock holds it (exclusive or shared), else 0",
-    source=r"""
+    source=_SHARED_RECORD
+    + r"""
 local token = redis.call('HGET', KEYS[1], 'token')
 if token then
   if string.sub(token, 1, 1) == 'q' then return 0 end
   return 1
 end
-local clock = redis.call('TIME')
-local now_ms = tonumber(clock[1]) * 1000 + math.floor(tonumber(clock[2]) / 1000)
+local now_ms = clock_ms()
 local fields = redis.call('HGETALL', KEYS[1])
 for i = 1, #fields, 2 do
   local field = fields[i]
-  if string.sub(field, 1, 2) == 'r:' and string.sub(field, 1, 4) ~= 'r:sq' then
-    local sep = string.find(fields[i + 1], '|', 1, true)
-    if sep and tonumber(string.sub(fields[i + 1], 1, sep - 1)) > now_ms then return 1 end
+  if string.sub(field, 1, 2) == 'r:' and string.sub(field, 1, 4) ~= 'r:sq'
+      and shared_record(fields[i + 1]) > now_ms then
+    return 1
   end
 end
 return 0
@@ -931,7 +946,8 @@ READ_STATE = LuaScript(
     returns="{exclusive holder's token or '', pttl ms of the lock (-2: no lock), its owner"
     " JSON or '', ms left of the token's hold here (0: none), the live shared holders'"
     " tokens, their owner JSONs, the largest fence of the holders here (0: none)}",
-    source=r"""
+    source=_SHARED_RECORD
+    + r"""
 local found = redis.call('HMGET', KEYS[1], 'token', 'owner', 'fence')
 local token = found[1]
 local pttl = redis.call('PTTL', KEYS[1])
@@ -940,23 +956,17 @@ if token then
   if token == ARGV[1] then mine = pttl end
   return {token, pttl, found[2] or '', mine, {}, {}, found[3] or '0'}
 end
--- Held shared, or not at all: '<lease end ms>|<fence>|<taken ms>|<owner JSON>' each.
-local clock = redis.call('TIME')
-local now_ms = tonumber(clock[1]) * 1000 + math.floor(tonumber(clock[2]) / 1000)
+-- Held shared, or not at all.
+local now_ms = clock_ms()
 local fields = redis.call('HGETALL', KEYS[1])
 local tokens, owners, mine, fence = {}, {}, 0, '0'
 for i = 1, #fields, 2 do
   if string.sub(fields[i], 1, 2) == 'r:' then
-    local record = fields[i + 1]
-    local a = string.find(record, '|', 1, true)
-    local ends = tonumber(string.sub(record, 1, a - 1))
+    local ends, held, _, owner = shared_record(fields[i + 1])
     if ends > now_ms then
-      local b = string.find(record, '|', a + 1, true)
-      local c = string.find(record, '|', b + 1, true)
       tokens[#tokens + 1] = string.sub(fields[i], 3)
-      owners[#owners + 1] = string.sub(record, c + 1)
+      owners[#owners + 1] = owner
       if tokens[#tokens] == ARGV[1] then mine = ends - now_ms end
-      local held = string.sub(record, a + 1, b - 1)
       if tonumber(held) > tonumber(fence) then fence = held end
     end
   end
