@@ -32,6 +32,7 @@ from django_redis_mutex.client import get_async_client, get_client
 from django_redis_mutex.testing import RedisServer, free_port
 
 from .helpers import await_until, wait_until
+from .test_server_ports import listening_on
 
 pytestmark = pytest.mark.skipif(shutil.which("openssl") is None, reason="needs openssl")
 
@@ -93,6 +94,11 @@ class TLSRedisServer(RedisServer):
             "--tls-ca-cert-file", str(certs.ca_cert),
             "--tls-auth-clients", "no",
         ]  # fmt: skip
+
+    def _pick_again(self) -> None:
+        # Moved off a port taken since it was picked: the TLS port moves with it.
+        super()._pick_again()
+        self.extra_args[self.extra_args.index("--tls-port") + 1] = str(self.port)
 
     @property
     def url(self) -> str:
@@ -249,6 +255,17 @@ async def async_workload(admin: redis.Redis) -> None:
         assert not renewed.lost
 
 
+def test_a_tls_server_whose_picked_port_was_taken_serves_tls_on_the_port_it_moved_to(
+    tls_server: TLSRedisServer, certs: Certificates
+) -> None:
+    """The TLS port is the server's port: a move off a taken port takes it along."""
+    server = TLSRedisServer(certs)
+    picked = server.port
+    with listening_on(picked), server.start():
+        assert server.port != picked
+        assert server.ping()  # over TLS, verified against the test CA
+
+
 @pytest.mark.parametrize("style", ["pool-kwargs", "url-query", "ca-path", "django"])
 def test_locks_work_over_tls(
     tls_server: TLSRedisServer, certs: Certificates, admin: redis.Redis, style: str
@@ -387,33 +404,34 @@ def tls_sentinel(certs: Certificates, service: str) -> Iterator[tuple[TLSRedisSe
     master.extra_args += ["--tls-replication", "yes", "--repl-diskless-sync-delay", "0"]
     replica = TLSRedisServer(certs)
     replica.extra_args += ["--tls-replication", "yes", "--repl-diskless-sync-delay", "0"]
-    sentinel_port = free_port()
-    config = certs.directory / f"sentinel-{service}.conf"
-    config.write_text(
-        "\n".join(
-            [
-                "port 0",
-                f"tls-port {sentinel_port}",
-                "bind 127.0.0.1",
-                "protected-mode no",
-                f"dir {certs.directory}",
-                f"logfile {certs.directory}/sentinel-{service}.log",
-                f"tls-cert-file {certs.server_cert}",
-                f"tls-key-file {certs.server_key}",
-                f"tls-ca-cert-file {certs.ca_cert}",
-                "tls-auth-clients no",
-                "tls-replication yes",  # how a sentinel reaches the data nodes
-                f"sentinel monitor {service} 127.0.0.1 {master.port} 1",
-            ]
-        )
-        + "\n"
-    )
     process: subprocess.Popen[bytes] | None = None
     admin: redis.Redis | None = None
     try:
         master.start()
         replica.extra_args += ["--replicaof", "127.0.0.1", str(master.port)]
         replica.start()
+        # Written once the master runs: it names the master's port.
+        sentinel_port = free_port()
+        config = certs.directory / f"sentinel-{service}.conf"
+        config.write_text(
+            "\n".join(
+                [
+                    "port 0",
+                    f"tls-port {sentinel_port}",
+                    "bind 127.0.0.1",
+                    "protected-mode no",
+                    f"dir {certs.directory}",
+                    f"logfile {certs.directory}/sentinel-{service}.log",
+                    f"tls-cert-file {certs.server_cert}",
+                    f"tls-key-file {certs.server_key}",
+                    f"tls-ca-cert-file {certs.ca_cert}",
+                    "tls-auth-clients no",
+                    "tls-replication yes",  # how a sentinel reaches the data nodes
+                    f"sentinel monitor {service} 127.0.0.1 {master.port} 1",
+                ]
+            )
+            + "\n"
+        )
         process = subprocess.Popen(
             [master.binary, str(config), "--sentinel"],
             stdout=subprocess.DEVNULL,
