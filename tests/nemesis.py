@@ -229,7 +229,7 @@ import threading
 import time
 import traceback
 from collections import Counter, defaultdict
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -842,7 +842,7 @@ def orphan_deadline(
     kills: dict[int, FaultRecord],
     faults: list[FaultRecord],
     hiccups: list[tuple[int, int]],
-    stalls: list[tuple[int, int]] = [],  # noqa: B006 (read only)
+    stalls: Sequence[tuple[int, int]] = (),
 ) -> int:
     """Until when (ns) ``sample``'s lock or permit may still be held; ``start``: its phase's.
 
@@ -859,7 +859,7 @@ def orphan_deadline(
     kill = kills.get(sample.pid) if sample.pid is not None else None
     if kill is not None:
         ran = kill.t0
-        for t0, t1 in sorted(holding_spans(sample.space, kill.slot, faults, hiccups) + stalls):
+        for t0, t1 in sorted([*holding_spans(sample.space, kill.slot, faults, hiccups), *stalls]):
             if t0 <= ran and t1 >= kill.t0:
                 ran = max(ran, t1)
         allowed = max(allowed, ran + int((_wait_lease() + sample.lease) * NS) + MARGIN)
