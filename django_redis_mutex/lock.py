@@ -125,13 +125,13 @@ class Mutex(LockBlock):
         )
         self.label = validate_label(label)
         self.keys = self._keys_on(using)
-        self._where: OneRedis = (
-            Quorum(self, members)
-            if members is not None
-            else ReplicatedRedis(self)
-            if config.wait_replicas
-            else OneRedis(self)
-        )
+        self._where: OneRedis
+        if members is not None:
+            self._where = Quorum(self, members)
+        elif config.wait_replicas:
+            self._where = ReplicatedRedis(self)
+        else:
+            self._where = OneRedis(self)
         self._levels = Levels()
 
     def __repr__(self) -> str:
