@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any
 from urllib.parse import urlencode
 
 from django.contrib import messages
@@ -31,29 +31,18 @@ from django.utils.translation import gettext_lazy, ngettext, ngettext_lazy
 from redis.exceptions import RedisError
 
 from . import introspection, stats
-from .chart import contention_chart
+from .chart import contention_chart, figures_row
 from .client import lock_aliases
 from .conf import get_settings
-from .display import duration, short_duration, terminal_safe
+from .display import duration, terminal_safe
 from .exceptions import LockBackendUnavailable
 from .filters import FILTER_FIELDS, FilterError, LockFilter
 from .introspection import HeldLock, HeldSemaphore, ListedLock, SemaphoreHolder, SharedHolder
 from .keys import validate_name
 from .models import Lock, Semaphore
 
-
-class LockAdmin(Protocol):
-    """What the views need of the admin class that serves them (see admin.py)."""
-
-    opts: Any
-    admin_site: Any
-
-    def has_view_permission(self, request: HttpRequest, obj: Any = None) -> bool: ...
-
-    def has_release_permission(self, request: HttpRequest) -> bool: ...
-
-    def has_reset_semaphore_permission(self, request: HttpRequest) -> bool: ...
-
+if TYPE_CHECKING:  # admin.py imports this module
+    from .admin import LockAdmin
 
 __all__ = [
     "REFRESH_SECONDS",
@@ -133,15 +122,6 @@ _FILTER_LABELS = {
     "label": gettext_lazy("Label"),
     "older_than": gettext_lazy("Held longer than"),
 }
-
-
-def _narrowed(listed: Any, lock_filter: LockFilter) -> Any:
-    """Return ``listed`` as a release under ``lock_filter`` frees it, or None if it is left alone.
-
-    A shared lock is narrowed to the holders the filter selects; a semaphore,
-    never filtered, comes back whole.
-    """
-    return lock_filter.select(listed) if lock_filter else listed
 
 
 def _unavailable(using: str, exc: Exception) -> str:
@@ -317,7 +297,7 @@ def _list_held(context: dict[str, Any], using: str, query: str, filters: _Filter
         return 404
     # A shared lock is narrowed to the holders the filter selects, which are
     # those a release through this filtered list frees.
-    locks = [s for item in found if (s := _narrowed(item, filters.lock_filter)) is not None]
+    locks = filters.lock_filter.narrow(found)
     # The holder filters select locks; a semaphore is listed unfiltered or not at all.
     shown = [] if filters.values else semaphores
     context.update(
@@ -469,11 +449,12 @@ def _confirm_or_free(request: HttpRequest, model_admin: LockAdmin, kind: _Kind) 
         _free(request, kind, names, using, found, filters.lock_filter)
         return HttpResponseRedirect(back)
 
-    # Narrowed as the POST will narrow them: a shared lock to the holders the filter selects.
+    # Narrowed as the POST will narrow them: a shared lock to the holders the filter
+    # selects. A semaphore, never filtered, comes back whole.
     selected = {
-        name: chosen
+        name: narrowed[0]
         for name, item in found.items()
-        if (chosen := _narrowed(item, filters.lock_filter)) is not None
+        if (narrowed := filters.lock_filter.narrow([item]))
     }
     unmatched = [terminal_safe(n) for n in names if n in found and n not in selected]
     if not selected:
@@ -658,23 +639,6 @@ def contention(request: HttpRequest, model_admin: LockAdmin) -> HttpResponse:
         return _render(request, model_admin, "contention.html", context, status=503)
     context.update(
         chart=contention_chart(report),
-        classes=[_figures_row(figures) for figures in report.classes],
+        classes=[figures_row(figures) for figures in report.classes],
     )
     return _render(request, model_admin, "contention.html", context)
-
-
-def _figures_row(figures: stats.ClassStats) -> dict[str, Any]:
-    return {
-        # Class names may come from request data (a literal name).
-        "lock_class": terminal_safe(figures.label),
-        "acquired": figures.acquired,
-        "waited": figures.waited,
-        "waited_share": f"{figures.waited_share:.0%}",
-        "contended": figures.contended,
-        "wait_p50": short_duration(figures.wait_p50),
-        "wait_p99": short_duration(figures.wait_p99),
-        "hold_p50": short_duration(figures.hold_p50),
-        "hold_p99": short_duration(figures.hold_p99),
-        "lost": figures.lost,
-        "deadlocks": figures.deadlocks,
-    }

@@ -4,7 +4,9 @@ Drawn on the server from :class:`~django_redis_mutex.stats.StatsReport`, so the
 admin page and the demo need no JavaScript chart library and nothing from a
 CDN. This module only computes coordinates; the template
 ``django_redis_mutex/contention_chart.html`` draws them (and escapes the
-class names, which may come from request data).
+class names, which may come from request data). :func:`figures_row` formats
+one class's figures for the tables beside it: the admin page's, the debug
+toolbar panel's and ``manage.py locks --stats``.
 
 .. versionadded:: 0.3.0
 """
@@ -13,14 +15,15 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from datetime import datetime, timezone
+from typing import Any
 
 from django.utils import timezone as django_timezone
 from django.utils.translation import gettext as _
 
-from .display import terminal_safe
-from .stats import WINDOW, StatsReport
+from .display import short_duration, terminal_safe
+from .stats import WINDOW, ClassStats, StatsReport
 
-__all__ = ["Chart", "Series", "contention_chart"]
+__all__ = ["Chart", "Series", "contention_chart", "figures_row"]
 
 # Colours that stay apart for most colour-blind readers (Okabe and Ito's).
 PALETTE = ("#0072B2", "#E69F00", "#009E73", "#CC79A7", "#D55E00", "#56B4E9")
@@ -111,3 +114,25 @@ def contention_chart(
         "classes of the last %(minutes)d minutes"
     ) % {"minutes": len(windows) * WINDOW // 60}
     return Chart(width, height, series, y_ticks, x_ticks, title)
+
+
+def figures_row(figures: ClassStats) -> dict[str, Any]:
+    """Return one lock class's contention figures as the tables show them, in column order.
+
+    The class name is escaped (it may come from request data) and the
+    durations are text; the counts stay ints, for a template to format as it
+    formats every number. ``waited_share`` goes in brackets after ``waited``.
+    """
+    return {
+        "lock_class": terminal_safe(figures.label),
+        "acquired": figures.acquired,
+        "waited": figures.waited,
+        "waited_share": f"{figures.waited_share:.0%}",
+        "contended": figures.contended,
+        "wait_p50": short_duration(figures.wait_p50),
+        "wait_p99": short_duration(figures.wait_p99),
+        "hold_p50": short_duration(figures.hold_p50),
+        "hold_p99": short_duration(figures.hold_p99),
+        "lost": figures.lost,
+        "deadlocks": figures.deadlocks,
+    }

@@ -14,10 +14,10 @@ from __future__ import annotations
 
 import math
 import re
-from dataclasses import dataclass, fields, replace
+from dataclasses import dataclass, fields
 
 from .display import duration
-from .introspection import HeldLock, ListedLock, seconds_since
+from .introspection import HeldLock, ListedLock, held_shared, seconds_since
 from .owners import Owner
 
 __all__ = ["FILTER_FIELDS", "FilterError", "LockFilter", "parse_duration"]
@@ -172,18 +172,16 @@ class LockFilter:
             for token, holder in zip(listed.token.split(), held.holders, strict=True)
             if self._matches(holder.owner, seconds_since(holder.acquired_at))
         ]
-        if not kept:
-            return None
-        holders = tuple(holder for _, holder in kept)
-        narrowed = replace(
-            held,
-            holders=holders,
-            owner=holders[0].owner,
-            acquired_at=holders[0].acquired_at,
-            fence=holders[0].fence,
-            time_left=max(holder.time_left for holder in holders),
-        )
-        return ListedLock(narrowed, " ".join(token for token, _ in kept))
+        return held_shared(held.name, kept, held.waiters, held.masters) if kept else None
+
+    def narrow(self, listed: list[ListedLock]) -> list[ListedLock]:
+        """Return the locks of ``listed`` this filter selects, each narrowed by :meth:`select`.
+
+        An empty filter returns ``listed`` itself: it selects every lock whole.
+        """
+        if not self:
+            return listed
+        return [chosen for item in listed if (chosen := self.select(item)) is not None]
 
     def _matches(self, owner: Owner, held_for: float) -> bool:
         if self.host is not None and (

@@ -408,13 +408,17 @@ def parse_shared(name: str, record: dict[str, str], waiters: int, now_ms: int) -
             fence=shared.fence,
         )
         holders.append((field_name[2:], holder))
-    return _held_shared(name, holders, waiters) if holders else None
+    return held_shared(name, holders, waiters) if holders else None
 
 
-def _held_shared(
+def held_shared(
     name: str, holders: list[tuple[str, SharedHolder]], waiters: int, masters: int = 1
 ) -> ListedLock:
-    """Return the lock ``holders`` (token, holder; one at least) hold shared."""
+    """Return the lock ``holders`` (token, holder; one at least) hold shared.
+
+    Also what a filter narrows a shared lock to (see ``LockFilter.select``), so
+    that the earliest holder's fields and the longest lease are taken one way.
+    """
     holders.sort(key=lambda pair: (pair[1].acquired_at, pair[1].fence))
     first = holders[0][1]
     held = HeldLock(
@@ -516,7 +520,7 @@ def _merge(copies: list[ListedLock], quorum: int) -> list[ListedLock]:
         tokens = {token for token, _ in agreed}
         holding = [copy.held for copy in copies if tokens.intersection(copy.token.split())]
         waiters = max(copy.waiters for copy in holding)
-        found.append(_held_shared(holding[0].name, agreed, waiters, masters=len(holding)))
+        found.append(held_shared(holding[0].name, agreed, waiters, masters=len(holding)))
     return found
 
 

@@ -31,8 +31,9 @@ from django.utils.translation import ngettext
 from redis.exceptions import RedisError
 
 from . import signals, stats
+from .chart import figures_row
 from .conf import get_settings
-from .display import short_duration, terminal_safe
+from .display import terminal_safe
 from .exceptions import LockBackendUnavailable
 from .signals import ReceiverGroup
 
@@ -285,17 +286,5 @@ def _hottest(aliases: list[str]) -> list[dict[str, Any]]:
             found.append({"alias": terminal_safe(alias), "error": terminal_safe(str(exc))})
             continue
         for figures in report.hottest(_HOTTEST):
-            found.append(
-                {
-                    "alias": terminal_safe(alias),
-                    "lock_class": terminal_safe(figures.label),
-                    "acquired": figures.acquired,
-                    "waited": figures.waited,
-                    "waited_share": f"{figures.waited_share:.0%}",
-                    "contended": figures.contended,
-                    "wait_p99": short_duration(figures.wait_p99),
-                    "hold_p50": short_duration(figures.hold_p50),
-                    "hold_p99": short_duration(figures.hold_p99),
-                }
-            )
+            found.append({"alias": terminal_safe(alias), **figures_row(figures)})
     return found

@@ -30,12 +30,13 @@ from django.core.exceptions import ImproperlyConfigured
 from django.core.management.base import BaseCommand, CommandError, CommandParser
 
 from django_redis_mutex import introspection, stats
+from django_redis_mutex.chart import figures_row
 from django_redis_mutex.client import get_client
 from django_redis_mutex.conf import get_settings
-from django_redis_mutex.display import duration, short_duration, terminal_safe
+from django_redis_mutex.display import duration, terminal_safe
 from django_redis_mutex.exceptions import LockBackendUnavailable
 from django_redis_mutex.filters import FILTER_FIELDS, FilterError, LockFilter
-from django_redis_mutex.introspection import HeldLock, HeldSemaphore, ListedLock, SharedHolder
+from django_redis_mutex.introspection import HeldLock, HeldSemaphore, SharedHolder
 from django_redis_mutex.owners import Owner
 
 COLUMNS = ("NAME", "HOST", "PID", "THREAD", "LABEL", "HELD FOR", "TIME LEFT", "FENCE", "WAITERS")
@@ -133,22 +134,17 @@ def table_rows(locks: list[HeldLock]) -> list[tuple[str, ...]]:
 
 
 def stats_rows(report: stats.StatsReport) -> list[tuple[str, ...]]:
-    """Return the --stats table's rows, in STATS_COLUMNS order, hottest class first."""
-    return [
-        (
-            terminal_safe(figures.label),
-            str(figures.acquired),
-            f"{figures.waited} ({figures.waited_share:.0%})",
-            str(figures.contended),
-            *map(
-                short_duration,
-                (figures.wait_p50, figures.wait_p99, figures.hold_p50, figures.hold_p99),
-            ),
-            str(figures.lost),
-            str(figures.deadlocks),
-        )
-        for figures in report.classes
-    ]
+    """Return the --stats table's rows, in STATS_COLUMNS order, hottest class first.
+
+    The admin page's figures (``figures_row``, whose keys run in column order)
+    as text; the count that waited and its share fill one cell: ``2 (50%)``.
+    """
+    rows: list[tuple[str, ...]] = []
+    for figures in report.classes:
+        row = figures_row(figures)
+        row["waited"] = f"{row['waited']} ({row.pop('waited_share')})"
+        rows.append(tuple(str(value) for value in row.values()))
+    return rows
 
 
 def _owner_cells(owner: Owner) -> tuple[str, str, str, str]:
@@ -195,13 +191,6 @@ def _summary(
         f"{len(locks)} of {_plural(total, 'lock')} held in cache {alias!r}{where} "
         f"{verb} the filter ({chosen})."
     )
-
-
-def _selected(listed: list[ListedLock], lock_filter: LockFilter) -> list[ListedLock]:
-    """Return the locks ``lock_filter`` selects, a shared one narrowed to its matching holders."""
-    if not lock_filter:
-        return listed
-    return [chosen for item in listed if (chosen := lock_filter.select(item)) is not None]
 
 
 def json_entries(locks: list[HeldLock], semaphores: list[HeldSemaphore]) -> list[dict[str, Any]]:
@@ -372,7 +361,7 @@ class Command(BaseCommand):
             else:
                 found = introspection.listed_locks(using=alias)
                 # A shared lock is narrowed to the holders the filter selects.
-                locks = [item.held for item in _selected(found, lock_filter)]
+                locks = [item.held for item in lock_filter.narrow(found)]
                 if options["json"]:
                     semaphores = [] if lock_filter else introspection.held_semaphores(alias)
                     self.stdout.write(json.dumps(json_entries(locks, semaphores), indent=2))
@@ -515,7 +504,7 @@ class Command(BaseCommand):
         introspection.ensure_resettable(alias)
         listed = introspection.listed_locks(using=alias)
         # A shared lock narrowed to its matching holders: only they are reset.
-        selection = _selected(listed, lock_filter)
+        selection = lock_filter.narrow(listed)
         # Shown with --noinput too, so a deploy script's log says what it reset.
         self.show_table(alias, [item.held for item in selection], lock_filter, total=len(listed))
         if not selection:
