@@ -339,7 +339,7 @@ class _Watch:
         a Redis that stays down fails the wait's own next check-in anyway.
         """
         place = self.place
-        return Commands(place.alias, commands, best_effort=True, timeout=place.timeout)
+        return Commands(place.alias, commands, timeout=place.timeout)
 
     def check(self) -> Steps[list[tuple[str, str]] | None]:
         """Write this wait's record, then walk; return the cycle if this wait is its victim."""

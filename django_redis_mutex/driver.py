@@ -124,15 +124,14 @@ class Commands(NamedTuple):
     A pipeline without a transaction: for reads and writes that need no
     script because nothing has to happen at one instant (deadlock detection's
     waits-for records and its walk over the locks), and whose keys may lie in
-    different cluster slots. A ``best_effort`` batch that fails is logged and
-    answered with None, as a best-effort :class:`Script` is. A ``timeout``
+    different cluster slots. Always best effort: a batch that fails is logged
+    and answered with None, as a best-effort :class:`Script` is. A ``timeout``
     bounds the round trip as a quorum master's is (see :class:`Each`): a
     master that hangs must not hold up the lock's other masters.
     """
 
     alias: str
     commands: tuple[tuple[Any, ...], ...]
-    best_effort: bool = False
     timeout: float | None = None
 
 
@@ -222,8 +221,6 @@ def _commands(op: Commands) -> list[Any] | None:
             pipe.execute_command(*command)
         return list(pipe.execute())
     except (RedisError, OSError) as exc:
-        if not op.best_effort:
-            raise
         _gave_up(op, exc)
         return None
 
@@ -397,18 +394,10 @@ class AsyncDriver:
             steps.close()
 
     async def _do(self, op: Op) -> Any:
-        if isinstance(op, Script):
+        if isinstance(op, Script | Each | Acknowledged):
             self.in_script = True
-            sent = time.monotonic()
             try:
-                client = await get_async_client(op.alias)
-                sent = time.monotonic()
-                return sent, await scripts.arun(client, op.script, op.keys, op.args)
-            except (RedisError, OSError) as exc:
-                if not op.best_effort:
-                    raise
-                _gave_up(op, exc)
-                return sent, None
+                return await _ascript(op)
             finally:
                 self.in_script = False
         if isinstance(op, Pop):
@@ -425,46 +414,48 @@ class AsyncDriver:
                 if not _unblocked(exc):
                     raise
                 return None
-        if isinstance(op, Each):
-            self.in_script = True
-            try:
-                return await _aeach(op)
-            finally:
-                self.in_script = False
         if isinstance(op, Commands):
             return await _acommands(op)
-        if isinstance(op, Acknowledged):
-            self.in_script = True
-            try:
-                client = await get_async_client(
-                    op.alias, read_timeout=blocking_read_timeout(op.alias, op.timeout)
-                )
-                sent = time.monotonic()
-                reply, acknowledged = await scripts.arun_acknowledged(
-                    client, op.script, op.keys, op.args, op.replicas, op.timeout
-                )
-                return sent, reply, acknowledged
-            finally:
-                self.in_script = False
         await asyncio.sleep(op.seconds)
         return None
 
 
+async def _ascript(op: Script | Each | Acknowledged) -> Any:
+    """Run a script op: the ones a cancelled caller lets finish (see :class:`AsyncDriver`)."""
+    if isinstance(op, Each):
+        return await _aeach(op)
+    if isinstance(op, Acknowledged):
+        client = await get_async_client(
+            op.alias, read_timeout=blocking_read_timeout(op.alias, op.timeout)
+        )
+        sent = time.monotonic()
+        reply, acknowledged = await scripts.arun_acknowledged(
+            client, op.script, op.keys, op.args, op.replicas, op.timeout
+        )
+        return sent, reply, acknowledged
+    sent = time.monotonic()
+    try:
+        client = await get_async_client(op.alias)
+        sent = time.monotonic()
+        return sent, await scripts.arun(client, op.script, op.keys, op.args)
+    except (RedisError, OSError) as exc:
+        if not op.best_effort:
+            raise
+        _gave_up(op, exc)
+        return sent, None
+
+
 async def _acommands(op: Commands) -> list[Any] | None:
     try:
-        if op.timeout is None:
-            client = await get_async_client(op.alias)
-        else:
-            client = await get_async_client(
-                op.alias, read_timeout=op.timeout, connect_timeout=op.timeout
-            )
+        # Without a timeout this is the alias's own async client.
+        client = await get_async_client(
+            op.alias, read_timeout=op.timeout, connect_timeout=op.timeout
+        )
         pipe = client.pipeline(transaction=False)
         for command in op.commands:
             pipe.execute_command(*command)
         return list(await pipe.execute())
     except (RedisError, OSError) as exc:
-        if not op.best_effort:
-            raise
         _gave_up(op, exc)
         return None
 

@@ -359,7 +359,7 @@ class Hold:
         self.lost_reason = reason
         return True
 
-    # -- what the watchdog asks of everything it renews (watchdog.Renewable) --
+    # -- what the watchdog asks of a hold to renew it (see watchdog.py) --
 
     def renewal(self, key: str, ttl: float) -> tuple[scripts.LuaScript, tuple[str, ...], list[Any]]:
         """Return the script, keys and arguments that renew the lock ``key`` to ``ttl``.

@@ -291,10 +291,10 @@ class Quorum(OneRedis):
         if self._too_many_down(fanned.errors):
             raise self._unavailable(fanned.errors, "inspect")
         states = []
-        for holder, pttl, owner, mine, shared, owners, _fence in fanned.replies.values():
+        for holder, _pttl, owner, mine, shared, owners, _fence in fanned.replies.values():
             holders = {decode(holder): decode(owner)} if holder else {}
             holders.update(zip(map(decode, shared), map(decode, owners), strict=True))
-            states.append(_State(holders, int(pttl), int(mine)))
+            states.append(_State(holders, int(mine)))
         return states
 
     def time_left_steps(self, hold: Hold | None) -> Steps[float]:
@@ -327,10 +327,9 @@ class Quorum(OneRedis):
 
 
 class _State(NamedTuple):
-    """What one master says of a quorum lock: its holders' owners, pttl, the caller's ms left."""
+    """What one master says of a quorum lock: its holders' owners, the caller's ms left."""
 
     holders: dict[str, str]
-    pttl: int
     mine: int
 
 

@@ -15,11 +15,10 @@ the hold is marked lost (the holder learns it when it leaves its block) and a
 ``lock_lost`` signal is sent. ``MAX_HOLD`` caps how long one hold is renewed,
 since renewing forever hides a hung holder.
 
-The watchdog renews anything that fits :class:`Renewable`: a lock's
-:class:`~django_redis_mutex.holds.Hold` and a semaphore's permit alike. Each
-says which script, keys and arguments renew it, how it is named in log lines
-and what ``lock_lost`` is sent with, so lock and permit renewals on one Redis
-share its lane, its pipeline and ``MAX_HOLD``.
+The watchdog renews a :class:`~django_redis_mutex.holds.Hold`, a lock's or a
+semaphore permit's alike. Each says which script, keys and arguments renew it,
+how it is named in log lines and what ``lock_lost`` is sent with, so lock and
+permit renewals on one Redis share its lane, its pipeline and ``MAX_HOLD``.
 
 The lanes serve sync and async holds alike: renewal then does not depend on an
 event loop being free to run it. They are created lazily and re-created in a
@@ -33,16 +32,15 @@ import os
 import threading
 import time
 from collections.abc import Sequence
-from typing import Any, Protocol
+from typing import Any
 
 from django.core.exceptions import ImproperlyConfigured
 from redis.exceptions import NoScriptError, ResponseError
 
 from . import scripts, signals, stats
-from .holds import Lease
+from .holds import Hold
 
 __all__ = [
-    "Renewable",
     "Watchdog",
     "announce_lost",
     "declare_if_lapsed",
@@ -60,73 +58,15 @@ LAPSED = "its validity ran out before a majority of masters renewed it"
 _IDLE = 1.0
 
 
-class Renewable(Protocol):
-    """Something the watchdog renews: a lease on the Redis of one or more cache aliases.
-
-    The watchdog keeps the lease bookkeeping on the object (``leases``,
-    ``confirm()``, ``refuse()``, ``failed()``, ``next_renewal()``); the object
-    says how it is renewed (:meth:`renewal`), how it is named in log lines
-    (:meth:`describe`, :attr:`kind`) and what ``lock_lost`` is sent with
-    (:meth:`lost_signal`).
-    """
-
-    alias: str  # the ``sender`` of lock_lost
-    name: str
-    ttl: float  # the lease renewals ask for
-    acquired_at: float
-    max_hold: float | None
-    quorum: int
-    active: bool
-    lost_reason: str
-    expires_at: float
-    # Where it lives: (alias, key) per Redis; the key is passed to renewal().
-    targets: tuple[tuple[str, str], ...]
-    leases: dict[str, Lease]
-
-    @property
-    def kind(self) -> str:
-        """What it is, in log lines ("lock", "semaphore")."""
-
-    @property
-    def strict(self) -> bool:
-        """True when a lapsed local bound means it is lost (a quorum lock)."""
-
-    @property
-    def doomed(self) -> bool:
-        """True when too many places said it is not ours."""
-
-    def next_renewal(self, alias: str) -> float: ...
-    def confirm(self, alias: str, sent: float, ttl: float, *, renew_now: bool = False) -> None: ...
-    def refuse(self, alias: str) -> None: ...
-    def failed(self, alias: str, retry_at: float) -> None: ...
-    def valid(self, now: float | None = None) -> bool: ...
-    def mark_lost(self, reason: str) -> bool: ...
-
-    def renewal(
-        self, key: str, ttl: float
-    ) -> tuple[scripts.LuaScript, Sequence[str], Sequence[Any]]:
-        """Return the script, keys and arguments that renew it at ``key`` to ``ttl``.
-
-        The script answers 1 when the lease was renewed, anything else when
-        it is not ours any more.
-        """
-
-    def describe(self) -> str:
-        """Name it in log lines."""
-
-    def lost_signal(self, held: float) -> dict[str, Any]:
-        """Return the keyword arguments ``lock_lost`` is sent with (``sender`` is its alias)."""
-
-
 class Watchdog:
     """Renew held locks and permits from one background lane per cache alias."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._holds: dict[int, Renewable] = {}
+        self._holds: dict[int, Hold] = {}
         self._lanes: dict[str, _Lane] = {}
 
-    def watch(self, hold: Renewable) -> None:
+    def watch(self, hold: Hold) -> None:
         """Start renewing ``hold`` on every Redis it lives on."""
         with self._lock:
             self._holds[id(hold)] = hold
@@ -136,7 +76,7 @@ class Watchdog:
                     lane = self._lanes[alias] = _Lane(self, alias)
                 lane.add(hold, lock_key)
 
-    def unwatch(self, hold: Renewable) -> bool:
+    def unwatch(self, hold: Hold) -> bool:
         """Stop renewing ``hold``; return True if it was being renewed."""
         with self._lock:
             if self._holds.pop(id(hold), None) is None:
@@ -147,17 +87,17 @@ class Watchdog:
                 lane.remove(hold)
         return True
 
-    def watching(self, hold: Renewable) -> bool:
+    def watching(self, hold: Hold) -> bool:
         """Return True while ``hold`` is being renewed."""
         with self._lock:
             return id(hold) in self._holds
 
-    def watched(self) -> list[Renewable]:
+    def watched(self) -> list[Hold]:
         """Return the holds being renewed now (a test checks none outlives it)."""
         with self._lock:
             return list(self._holds.values())
 
-    def poke(self, hold: Renewable) -> None:
+    def poke(self, hold: Hold) -> None:
         """Make the lanes of ``hold`` look at it now (its lease changed)."""
         with self._lock:
             lanes = [self._lanes.get(alias) for alias, _ in hold.targets]
@@ -165,7 +105,7 @@ class Watchdog:
             if lane is not None:
                 lane.poke()
 
-    def settle(self, hold: Renewable, now: float) -> None:
+    def settle(self, hold: Hold, now: float) -> None:
         """Decide, after a renewal or at its deadline, whether ``hold`` is lost or done."""
         if not self.watching(hold):
             return
@@ -185,7 +125,7 @@ class Watchdog:
         elif hold.strict and not hold.valid(now):
             self._lost(hold, LAPSED)
 
-    def _lost(self, hold: Renewable, reason: str) -> None:
+    def _lost(self, hold: Hold, reason: str) -> None:
         # A release unwatches before it asks Redis: a hold no longer watched
         # was released (or is being released), not lost.
         if not self.unwatch(hold):
@@ -194,7 +134,7 @@ class Watchdog:
             announce_lost(hold, reason)
 
 
-def declare_lost(item: Renewable, reason: str) -> None:
+def declare_lost(item: Hold, reason: str) -> None:
     """Stop renewing ``item``, mark it lost and send ``lock_lost`` (once), without a log line.
 
     For a loss its owner learns itself (at a release, a nested acquire), and
@@ -204,7 +144,7 @@ def declare_lost(item: Renewable, reason: str) -> None:
     announce_lost(item, reason, log=False)
 
 
-def declare_if_lapsed(item: Renewable) -> None:
+def declare_if_lapsed(item: Hold) -> None:
     """Declare ``item`` lost if its local bound lapsed (a quorum lock's validity ran out).
 
     Its owner asks as it leaves a block, before the watchdog's next look.
@@ -213,7 +153,7 @@ def declare_if_lapsed(item: Renewable) -> None:
         declare_lost(item, LAPSED)
 
 
-def announce_lost(item: Renewable, reason: str, *, log: bool = True) -> bool:
+def announce_lost(item: Hold, reason: str, *, log: bool = True) -> bool:
     """Mark ``item`` lost, log it and send ``lock_lost`` (once); return True the first time.
 
     Receivers' errors are logged, never raised: a lane renews everything on
@@ -224,9 +164,8 @@ def announce_lost(item: Renewable, reason: str, *, log: bool = True) -> bool:
     held = time.monotonic() - item.acquired_at
     if log:
         logger.error("%s was lost after %.3fs: %s.", item.describe(), held, reason)
-    counted = getattr(item, "counted_as", None)
-    if counted is not None:
-        stats.count(item.alias, counted, stats.LOST)
+    if item.counted_as is not None:
+        stats.count(item.alias, item.counted_as, stats.LOST)
     if not signals.lock_lost.receivers:
         return True
     for receiver, error in signals.lock_lost.send_robust(
@@ -244,7 +183,7 @@ class _Lane:
         self.watchdog = watchdog
         self.alias = alias
         self._cond = threading.Condition(threading.Lock())
-        self._entries: dict[int, tuple[Renewable, str]] = {}
+        self._entries: dict[int, tuple[Hold, str]] = {}
         # When the thread plans to wake next: a new hold due later needs no wake-up.
         self._wake_at = 0.0
         self._thread = threading.Thread(
@@ -252,7 +191,7 @@ class _Lane:
         )
         self._thread.start()
 
-    def add(self, hold: Renewable, lock_key: str) -> None:
+    def add(self, hold: Hold, lock_key: str) -> None:
         with self._cond:
             self._entries[id(hold)] = (hold, lock_key)
             due = hold.next_renewal(self.alias)
@@ -261,7 +200,7 @@ class _Lane:
             if due < self._wake_at:
                 self._cond.notify()
 
-    def remove(self, hold: Renewable) -> None:
+    def remove(self, hold: Hold) -> None:
         with self._cond:
             self._entries.pop(id(hold), None)
 
@@ -273,7 +212,7 @@ class _Lane:
         while True:
             with self._cond:
                 now = time.monotonic()
-                due: list[tuple[Renewable, str]] = []
+                due: list[tuple[Hold, str]] = []
                 wake = now + _IDLE
                 for hold, lock_key in self._entries.values():
                     at = hold.next_renewal(self.alias)
@@ -302,12 +241,12 @@ class _Lane:
             for hold, _ in entries:
                 self.watchdog.settle(hold, now)
 
-    def _renew(self, due: list[tuple[Renewable, str]]) -> None:
+    def _renew(self, due: list[tuple[Hold, str]]) -> None:
         from .client import get_client, get_member_client
 
         # Quorum members are asked through a client with the short per-master
         # deadline; a plain lock through the alias's own client.
-        groups: dict[bool, list[tuple[Renewable, str, float]]] = {}
+        groups: dict[bool, list[tuple[Hold, str, float]]] = {}
         for hold, lock_key in due:
             if hold.max_hold is not None and time.monotonic() - hold.acquired_at >= hold.max_hold:
                 continue  # settle() stops it
@@ -340,7 +279,7 @@ class _Lane:
                 else:
                     hold.refuse(self.alias)
 
-    def _renewal_failed(self, hold: Renewable, ttl: float, error: Exception) -> None:
+    def _renewal_failed(self, hold: Hold, ttl: float, error: Exception) -> None:
         """Judge one renewal that Redis answered with an error, apart from the rest of its round."""
         if isinstance(error, ResponseError) and str(error).startswith("WRONGTYPE"):
             # Its key holds something else now: not ours any more.
@@ -350,7 +289,7 @@ class _Lane:
         hold.failed(self.alias, time.monotonic() + min(_IDLE, ttl / 10))
 
 
-def _extend_all(client: Any, entries: list[tuple[Renewable, str, float]]) -> list[Any]:
+def _extend_all(client: Any, entries: list[tuple[Hold, str, float]]) -> list[Any]:
     """Return each renewal's reply, or the error Redis answered it with.
 
     One renewal's error never costs the others their replies: a pipeline that
