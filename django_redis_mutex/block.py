@@ -14,13 +14,15 @@ import logging
 from typing import TYPE_CHECKING, Any, Literal, TypeVar, cast
 
 from . import acquisition
-from .acquisition import AcquiringHandle
 from .conf import DEFAULT, MutexSettings
 from .exceptions import LockBackendUnavailable, LockContended, LockError, LockLost, LockNotOwned
 from .holds import Hold, close_scope, open_scope
 from .levels import Levels
 from .release import arelease, release
 from .watchdog import declare_if_lapsed
+
+if TYPE_CHECKING:
+    from .lock import Mutex
 
 __all__ = ["LockBlock"]
 
@@ -42,9 +44,9 @@ class LockBlock:
         def contended(self) -> LockContended: ...
 
     @property
-    def _handle(self) -> AcquiringHandle:
+    def _handle(self) -> Mutex:
         # Only Mutex (and its subclasses) mix this in.
-        return cast(AcquiringHandle, self)
+        return cast("Mutex", self)
 
     def __enter__(self: B) -> B:
         try:

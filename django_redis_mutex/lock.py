@@ -16,7 +16,6 @@ lost under a nested block each keep their own record.
 
 from __future__ import annotations
 
-import logging
 import warnings
 from collections.abc import Sequence
 from typing import Any, TypeVar
@@ -30,17 +29,12 @@ from .conf import (
     DEFAULT,
     MutexSettings,
     get_settings,
-    refuse_timeout_without_blocking,
     resolve_using,
     validate_flag,
-    validate_timeout,
     validate_ttl,
 )
 from .driver import AsyncDriver, Steps, run_steps
-from .exceptions import (
-    LockContended,
-    LockNotOwned,
-)
+from .exceptions import LockContended, LockNotOwned
 from .holds import Attempt, Hold
 from .keys import LockKeys, validate_label, validate_name
 from .levels import Levels
@@ -55,8 +49,6 @@ from .watchdog import declare_lost, get_watchdog
 __all__ = ["DEFAULT", "Mutex", "QuorumMutex"]
 
 T = TypeVar("T")
-
-logger = logging.getLogger("django_redis_mutex")
 
 
 class Mutex(LockBlock):
@@ -107,13 +99,9 @@ class Mutex(LockBlock):
         config = get_settings(using)
         self.settings: MutexSettings = config
         self.lease: float = config.ttl if ttl is DEFAULT else validate_ttl(ttl)
-        self.timeout: float | None = (
-            config.timeout if timeout is DEFAULT else validate_timeout(timeout)
+        self.blocking, self.timeout = acquisition.wait_params(
+            blocking, timeout, config.blocking, config.timeout
         )
-        self.blocking: bool = (
-            config.blocking if blocking is DEFAULT else validate_flag("blocking", blocking)
-        )
-        refuse_timeout_without_blocking(blocking, timeout)
         self.watchdog: bool = (
             config.watchdog if watchdog is DEFAULT else validate_flag("watchdog", watchdog)
         )

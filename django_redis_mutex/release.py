@@ -19,21 +19,21 @@ import asyncio
 import logging
 import sys
 import time
-from typing import Protocol
+from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 from . import signals, stats
-from .client import backend_errors
 from .driver import AsyncDriver, run_steps
 from .exceptions import LockBackendUnavailable, LockNotOwned
 from .giveback import give_back_later
 from .holds import Hold, await_transaction, transaction_ended
-from .levels import Levels
-from .topology import LockHandle, OneRedis
 from .transactions import TransactionWait, open_transactions, warn_if_read_before
 from .watchdog import declare_if_lapsed, declare_lost, get_watchdog
 
+if TYPE_CHECKING:
+    from .lock import Mutex
+
 __all__ = [
-    "Handle",
     "agive_back",
     "arelease",
     "finish",
@@ -45,24 +45,12 @@ __all__ = [
     "release",
     "release_after_transaction",
     "release_failed_locally",
-    "still_kept",
 ]
 
 logger = logging.getLogger("django_redis_mutex")
 
 
-class Handle(LockHandle, Protocol):
-    """What acquiring and ending a hold ask of its lock handle (see lock.Mutex)."""
-
-    shared: bool
-    watchdog: bool
-    release_at_block_end: bool
-    _where: OneRedis
-    _levels: Levels
-    _kind_signal: dict[str, str]
-
-
-def forget(lock: Handle, hold: Hold, *, unwatched: bool = False) -> None:
+def forget(lock: Mutex, hold: Hold, *, unwatched: bool = False) -> None:
     """End ``hold`` locally: no renewal, no level of this handle, nothing nests into it."""
     if not unwatched:
         get_watchdog().unwatch(hold)
@@ -70,7 +58,7 @@ def forget(lock: Handle, hold: Hold, *, unwatched: bool = False) -> None:
     lock._levels.remove(hold)
 
 
-def give_back(lock: Handle, hold: Hold) -> None:
+def give_back(lock: Mutex, hold: Hold) -> None:
     """Release a hold the caller will never see (best effort; its lease ends anyway)."""
     forget(lock, hold)
     try:
@@ -79,7 +67,7 @@ def give_back(lock: Handle, hold: Hold) -> None:
         logger.warning("Could not give back %s %r: %s", lock.kind, lock.name, exc)
 
 
-async def agive_back(lock: Handle, hold: Hold) -> None:
+async def agive_back(lock: Mutex, hold: Hold) -> None:
     """Async twin of :func:`give_back`."""
     forget(lock, hold)
     try:
@@ -88,7 +76,7 @@ async def agive_back(lock: Handle, hold: Hold) -> None:
         logger.warning("Could not give back %s %r: %s", lock.kind, lock.name, exc)
 
 
-def release(lock: Handle, hold: Hold) -> None:
+def release(lock: Mutex, hold: Hold) -> None:
     """Release one level of ``hold``: kept for an open transaction, else given back in Redis."""
     if lock._levels.drop(hold):
         return
@@ -98,15 +86,14 @@ def release(lock: Handle, hold: Hold) -> None:
     if _stays(hold, kept):
         return
     try:
-        with backend_errors(lock.name, lock.using):
-            released = run_steps(lock._where.release_steps(hold))
+        released = lock._run(lock._where.release_steps(hold))
     except BaseException:
         release_failed_locally(lock, hold)
         raise
     finish(lock, hold, released)
 
 
-async def arelease(lock: Handle, hold: Hold) -> None:
+async def arelease(lock: Mutex, hold: Hold) -> None:
     """Async twin of :func:`release`."""
     if lock._levels.drop(hold):
         return
@@ -116,8 +103,7 @@ async def arelease(lock: Handle, hold: Hold) -> None:
     if _stays(hold, kept):
         return
     try:
-        with backend_errors(lock.name, lock.using):
-            released = await AsyncDriver().run(lock._where.release_steps(hold))
+        released = await lock._arun(lock._where.release_steps(hold))
     except BaseException:
         release_failed_locally(lock, hold)
         raise
@@ -125,16 +111,28 @@ async def arelease(lock: Handle, hold: Hold) -> None:
 
 
 def _stays(hold: Hold, kept: list[str] | None) -> bool:
-    """Return True if ``hold`` stays kept for its transaction, else stop renewing it."""
-    if kept is not None and still_kept(hold):
-        return True
+    """Return True if ``hold`` stays kept for its transaction, else stop renewing it.
+
+    :func:`keep_for_transaction` found it held, but the watchdog may declare
+    it lost while the exit's mark is on its way (a Redis, a master or this
+    process slow or paused), and a quorum hold's validity may run out
+    meanwhile, though the mark still reached a master. Kept, its block would
+    exit cleanly and its transaction commit on a lock another owner may hold:
+    the caller gives it back at once instead, and its block raises LockLost
+    (or LockBackendUnavailable, when the give-back gets no answer).
+    """
+    if kept is not None:
+        declare_if_lapsed(hold)
+        if not hold.lost:
+            return True
+        _stop_keeping(hold)
     # Stop renewing first: a renewal answered after our release would
     # otherwise report the lock as lost.
     get_watchdog().unwatch(hold)
     return False
 
 
-def held_or_raise(lock: Handle, action: str) -> Hold:
+def held_or_raise(lock: Mutex, action: str) -> Hold:
     """Return the hold ``action`` applies to, or raise LockNotOwned."""
     hold = lock._levels.current()
     if hold is None or not hold.active:
@@ -145,7 +143,7 @@ def held_or_raise(lock: Handle, action: str) -> Hold:
     return hold
 
 
-def release_failed_locally(lock: Handle, hold: Hold) -> None:
+def release_failed_locally(lock: Mutex, hold: Hold) -> None:
     """Keep a hold whose release failed on the handle, for a retry, and never renew it."""
     # The release may have reached Redis with only its reply lost: stop
     # renewing, and never let anything nest into this hold again. The level
@@ -159,15 +157,19 @@ def release_failed_locally(lock: Handle, hold: Hold) -> None:
     # made): the owner has left, so the background gives the lock back
     # until Redis answers, unless the caller's own retry does first.
     if isinstance(sys.exc_info()[1], (LockBackendUnavailable, asyncio.CancelledError)):
-        give_back_later(
-            f"{lock.kind} {lock.name!r} (fence {hold.fence})",
-            lambda: lock._where.release_steps(hold),
-            hold.ttl,
-            lambda: hold.active,
-        )
+        _give_back_later(lock, hold, lambda: hold.active)
 
 
-def finish(lock: Handle, hold: Hold, released: bool, databases: tuple[str, ...] = ()) -> None:
+def _give_back_later(lock: Mutex, hold: Hold, needed: Callable[[], bool] | None = None) -> None:
+    give_back_later(
+        f"{lock.kind} {lock.name!r} (fence {hold.fence})",
+        lambda: lock._where.release_steps(hold),
+        hold.ttl,
+        needed,
+    )
+
+
+def finish(lock: Mutex, hold: Hold, released: bool, databases: tuple[str, ...] = ()) -> None:
     """Forget the hold after Redis answered the release (the watchdog had let go before)."""
     if not released and hold.releasing:
         # A retry of a release that failed: that release (only its reply
@@ -199,7 +201,7 @@ def finish(lock: Handle, hold: Hold, released: bool, databases: tuple[str, ...] 
     )
 
 
-def keep_for_transaction(lock: Handle, hold: Hold) -> list[str] | None:
+def keep_for_transaction(lock: Mutex, hold: Hold) -> list[str] | None:
     """Keep ``hold`` until this thread's open transactions end, if any are open.
 
     Return None when the lock is to be given back now, else the aliases
@@ -237,28 +239,10 @@ def keep_for_transaction(lock: Handle, hold: Hold) -> list[str] | None:
     return list(wait.aliases) if newly else []
 
 
-def lost_while_kept(lock: Handle, hold: Hold) -> None:
+def lost_while_kept(lock: Mutex, hold: Hold) -> None:
     """The lock was gone when its block ended in a transaction: tell the block."""
     _stop_keeping(hold)
     finish(lock, hold, False)  # raises LockNotOwned: the block raises LockLost
-
-
-def still_kept(hold: Hold) -> bool:
-    """Return True if ``hold`` is still kept as its block's exit returns, else stop keeping it.
-
-    :func:`keep_for_transaction` found it held, but the watchdog may declare
-    it lost while the exit's mark is on its way (a Redis, a master or this
-    process slow or paused), and a quorum hold's validity may run out
-    meanwhile, though the mark still reached a master. Kept, its block would
-    exit cleanly and its transaction commit on a lock another owner may hold:
-    the caller gives it back at once instead, and its block raises LockLost
-    (or LockBackendUnavailable, when the give-back gets no answer).
-    """
-    declare_if_lapsed(hold)
-    if not hold.lost:
-        return True
-    _stop_keeping(hold)
-    return False
 
 
 def _stop_keeping(hold: Hold) -> None:
@@ -269,7 +253,7 @@ def _stop_keeping(hold: Hold) -> None:
     transaction_ended(hold)
 
 
-def release_after_transaction(lock: Handle, hold: Hold) -> None:
+def release_after_transaction(lock: Mutex, hold: Hold) -> None:
     """Give back a hold kept for a transaction that has just committed or rolled back."""
     transaction_ended(hold)
     wait, hold.transaction_wait = hold.transaction_wait, None
@@ -278,8 +262,7 @@ def release_after_transaction(lock: Handle, hold: Hold) -> None:
     get_watchdog().unwatch(hold)
     databases = tuple(wait.aliases) if wait is not None else ()
     try:
-        with backend_errors(lock.name, lock.using):
-            released = run_steps(lock._where.release_steps(hold))
+        released = lock._run(lock._where.release_steps(hold))
     except LockBackendUnavailable as exc:
         forget(lock, hold, unwatched=True)
         logger.error(
@@ -289,11 +272,7 @@ def release_after_transaction(lock: Handle, hold: Hold) -> None:
             exc,
         )
         # Its owner has left: nothing may keep it until its lease ends.
-        give_back_later(
-            f"{lock.kind} {lock.name!r} (fence {hold.fence})",
-            lambda: lock._where.release_steps(hold),
-            hold.ttl,
-        )
+        _give_back_later(lock, hold)
         return
     if not released:
         forget(lock, hold, unwatched=True)
