@@ -16,7 +16,7 @@ from django.core.exceptions import ImproperlyConfigured
 from redis.exceptions import RedisError
 
 from .client import UNAVAILABLE, backend_kind, probe_client
-from .conf import get_settings, parse_settings, validate_prefix
+from .conf import get_settings, parse_settings
 from .eviction import read_policy
 from .telemetry import available as telemetry_available
 
@@ -57,7 +57,6 @@ def _entry_messages(alias: str, caches: dict[str, Any]) -> Iterator[CheckMessage
         return
     try:
         config = parse_settings(alias, entry["MUTEX"])
-        validate_prefix(alias, config.prefix)
     except ImproperlyConfigured as exc:
         yield Error(str(exc), id="django_redis_mutex.E002")
         return

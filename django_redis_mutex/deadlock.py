@@ -122,7 +122,6 @@ class _Lock:
         self.name = name
         self.limit = int(fields["limit"]) if fields.get("limit", "").isdigit() else 0
         self.exclusive = "token" in fields
-        holders: list[str | None] = []
         owners: list[str] = []
         if self.exclusive:
             owners.append(fields.get("owner", ""))
@@ -131,9 +130,7 @@ class _Lock:
                 if key.startswith("r:"):
                     record = SharedRecord.parse(value)
                     owners.append(record.owner if record is not None else "")
-        for owner in owners:
-            holders.append(agent_of(owner))
-        self.holders = holders
+        self.holders = [agent_of(owner) for owner in owners]
         self.owners = owners
 
     def waits_on(self) -> tuple[str, list[str | None]]:
@@ -150,9 +147,7 @@ class _Lock:
         holder too.
         """
         if self.limit:
-            if len(self.holders) >= self.limit:
-                return "all", self.holders
-            return "all", []
+            return "all", self.holders if len(self.holders) >= self.limit else []
         return "any", self.holders
 
 

@@ -17,7 +17,7 @@ import logging
 import string
 import threading
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, Any, Generic, Literal, TypeVar, cast
+from typing import TYPE_CHECKING, Any, Literal, TypeVar, cast
 
 from .atomic_requests import RequestTransactions
 from .conf import (
@@ -46,11 +46,9 @@ logger = logging.getLogger("django_redis_mutex")
 
 def _placeholders(template: str) -> list[str]:
     """Return the field names of a format template (empty for a literal name)."""
-    fields = []
-    for _literal, field, _spec, _conv in _formatter.parse(template):
-        if field is not None:
-            fields.append(field)
-    return fields
+    return [
+        field for _literal, field, _spec, _conv in _formatter.parse(template) if field is not None
+    ]
 
 
 def _callable_class(name: Callable[..., str]) -> str:
@@ -61,10 +59,8 @@ def _callable_class(name: Callable[..., str]) -> str:
 
 
 def _field_root(field: str) -> str:
-    for i, char in enumerate(field):
-        if char in ".[":
-            return field[:i]
-    return field
+    """Return the argument a placeholder starts from: ``self`` of ``self.pk``, ``a`` of ``a[0]``."""
+    return field.split(".", 1)[0].split("[", 1)[0]
 
 
 @functools.lru_cache(maxsize=1024)
@@ -138,10 +134,7 @@ def _same_signature(wrapper: F, func: Callable[..., Any]) -> F:
     return wrapper
 
 
-H = TypeVar("H")
-
-
-class EnteredHandles(Generic[H]):
+class EnteredHandles:
     """The handles a reusable context object entered, in order, with their owner.
 
     One ``mutex(...)`` or ``semaphore(...)`` object may be entered by several
@@ -150,14 +143,14 @@ class EnteredHandles(Generic[H]):
 
     def __init__(self, context: object) -> None:
         self._context = context
-        self._entries: list[tuple[object, H]] = []
+        self._entries: list[tuple[object, Mutex]] = []
         self._lock = threading.Lock()
 
-    def push(self, handle: H) -> None:
+    def push(self, handle: Mutex) -> None:
         with self._lock:
             self._entries.append((current_owner(), handle))
 
-    def pop(self) -> H:
+    def pop(self) -> Mutex:
         """Return the handle the block being left entered.
 
         Normally the latest one its owner entered; an async generator closed
@@ -211,7 +204,7 @@ class MutexContext:
             validate_timeout(options["timeout"])
         refuse_timeout_without_blocking(options.get("blocking"), options.get("timeout", DEFAULT))
         self._options = options
-        self._entered: EnteredHandles[Mutex] = EnteredHandles(self)
+        self._entered = EnteredHandles(self)
 
     def __repr__(self) -> str:
         return f"<mutex {self._name!r}>"
@@ -231,6 +224,14 @@ class MutexContext:
         lock = self._new(name)
         lock._lock_class = self._lock_class
         return lock
+
+    def _held(self, name: str) -> Mutex | contextlib.nullcontext[None]:
+        """Return a new handle on ``name``, or no lock at all for an empty name.
+
+        The name is empty for a call the function cannot accept: it runs
+        unlocked, to raise its own TypeError.
+        """
+        return self._handle(name) if name else contextlib.nullcontext()
 
     def _new(self, name: str) -> Mutex:
         return Mutex(name, **self._options)
@@ -317,11 +318,7 @@ class MutexContext:
             @functools.wraps(func)
             async def async_gen_inner(*args: Any, **kwargs: Any) -> Any:
                 name = self.name_for(func, args, kwargs)
-                if not name:
-                    async for item in func(*args, **kwargs):
-                        yield item
-                    return
-                async with self._handle(name):
+                async with self._held(name):
                     async for item in func(*args, **kwargs):
                         yield item
 
@@ -331,9 +328,7 @@ class MutexContext:
             @functools.wraps(func)
             def gen_inner(*args: Any, **kwargs: Any) -> Any:
                 name = self.name_for(func, args, kwargs)
-                if not name:
-                    return (yield from func(*args, **kwargs))
-                with self._handle(name):
+                with self._held(name):
                     return (yield from func(*args, **kwargs))
 
             return cast(F, _same_signature(gen_inner, func))
@@ -342,8 +337,6 @@ class MutexContext:
             @functools.wraps(func)
             async def async_inner(*args: Any, **kwargs: Any) -> Any:
                 name = self.name_for(func, args, kwargs)
-                if not name:
-                    return await func(*args, **kwargs)
                 return await self._acall(name, (func, args, kwargs))
 
             return cast(F, _same_signature(async_inner, func))
@@ -356,6 +349,7 @@ class MutexContext:
         def inner(*args: Any, **kwargs: Any) -> Any:
             name = self.name_for(func, args, kwargs)
             if not name:
+                # Neither a lock nor the request's transaction: the call fails at once.
                 return func(*args, **kwargs)
             return self._call(name, transactions, (func, args, kwargs))
 
@@ -369,7 +363,7 @@ class MutexContext:
 
     async def _acall(self, name: str, call: Call) -> Any:
         func, args, kwargs = call
-        async with self._handle(name):
+        async with self._held(name):
             return await func(*args, **kwargs)
 
 
@@ -480,7 +474,7 @@ class _SkipWhileHeld(MutexContext):
         func, args, kwargs = call
         async with contextlib.AsyncExitStack() as stack:
             try:
-                await stack.enter_async_context(self._handle(name))
+                await stack.enter_async_context(self._held(name))
             except LockContended as busy:
                 return _skipped(func, busy)
             return await func(*args, **kwargs)

@@ -82,20 +82,23 @@ _ESCAPED = re.compile("%25|%7B|%7D")
 _GLOB_SPECIAL = str.maketrans({c: "\\" + c for c in "*?[]\\"})
 
 
+def _check_text(what: str, text: str, limit: int) -> None:
+    """Raise ValueError naming ``what`` if ``text`` is longer than ``limit`` or not UTF-8."""
+    if len(text) > limit:
+        raise ValueError(f"{what} is {len(text)} characters long; the limit is {limit}.")
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise ValueError(f"{what} {text!r} cannot be encoded as UTF-8: {exc.reason}.") from exc
+
+
 def validate_name(name: object) -> str:
     """Return ``name`` if it can name a lock, else raise TypeError/ValueError."""
     if not isinstance(name, str):
         raise TypeError(f"Lock name must be a string, not {type(name).__name__}.")
     if not name:
         raise ValueError("Lock name must not be empty.")
-    if len(name) > MAX_NAME_LENGTH:
-        raise ValueError(
-            f"Lock name is {len(name)} characters long; the limit is {MAX_NAME_LENGTH}."
-        )
-    try:
-        name.encode("utf-8")
-    except UnicodeEncodeError as exc:
-        raise ValueError(f"Lock name {name!r} cannot be encoded as UTF-8: {exc.reason}.") from exc
+    _check_text("Lock name", name, MAX_NAME_LENGTH)
     return name
 
 
@@ -110,12 +113,7 @@ def validate_label(label: object) -> str | None:
         return None
     if not isinstance(label, str):
         raise TypeError(f"label must be a string or None, not {type(label).__name__}.")
-    if len(label) > MAX_LABEL_LENGTH:
-        raise ValueError(f"label is {len(label)} characters long; the limit is {MAX_LABEL_LENGTH}.")
-    try:
-        label.encode("utf-8")
-    except UnicodeEncodeError as exc:
-        raise ValueError(f"label {label!r} cannot be encoded as UTF-8: {exc.reason}.") from exc
+    _check_text("label", label, MAX_LABEL_LENGTH)
     return label
 
 

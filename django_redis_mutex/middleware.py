@@ -16,13 +16,12 @@ Contention is the lock doing its job, so its 503 is logged at WARNING (like a
 from __future__ import annotations
 
 import math
-from collections.abc import Awaitable, Callable
 from typing import Any
 
-from asgiref.sync import iscoroutinefunction, markcoroutinefunction
 from django.http import HttpRequest, HttpResponse, JsonResponse
 from django.template.loader import render_to_string
 from django.utils.cache import add_never_cache_headers, patch_vary_headers
+from django.utils.deprecation import MiddlewareMixin
 from django.utils.http import parse_header_parameters
 from django.utils.log import log_response
 
@@ -57,7 +56,7 @@ def wants_html(request: HttpRequest) -> bool:
     return html > 0 and html >= json
 
 
-class MutexMiddleware:
+class MutexMiddleware(MiddlewareMixin):
     """Answer LockContended and LockBackendUnavailable from a view with a 503.
 
     Works under WSGI and ASGI, with sync and async views. Subclass to change
@@ -65,30 +64,8 @@ class MutexMiddleware:
     to wait when Redis is unreachable; the exception carries no better value).
     """
 
-    sync_capable = True
-    async_capable = True
-
     template_name = "django_redis_mutex/503.html"
     unavailable_retry_after = 5
-
-    def __init__(
-        self,
-        get_response: Callable[[HttpRequest], HttpResponse | Awaitable[HttpResponse]],
-    ) -> None:
-        self.get_response = get_response
-        self.async_mode = iscoroutinefunction(get_response)
-        if self.async_mode:
-            # Tell Django's handler this instance is awaitable, so it does not
-            # wrap us in a thread.
-            markcoroutinefunction(self)
-
-    def __call__(self, request: HttpRequest) -> Any:
-        if self.async_mode:
-            return self.__acall__(request)
-        return self.get_response(request)
-
-    async def __acall__(self, request: HttpRequest) -> HttpResponse:
-        return await self.get_response(request)  # type: ignore[misc,no-any-return]
 
     def process_exception(self, request: HttpRequest, exception: Exception) -> HttpResponse | None:
         """Return a 503 for a lock that could not be had; None lets anything else propagate.

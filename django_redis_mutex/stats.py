@@ -186,7 +186,7 @@ os.register_at_fork(after_in_child=_after_fork_in_child)
 
 def _figures(alias: str, counted: Counted) -> _Figures | None:
     """Return the pending figures of a class in this window; call with the guard held."""
-    global _dropped
+    global _dropped, _flusher
     key = (alias, int(time.time()) // WINDOW * WINDOW, counted)
     figures = _pending.get(key)
     if figures is None:
@@ -206,7 +206,11 @@ def _figures(alias: str, counted: Counted) -> _Figures | None:
         _last_flush.setdefault(alias, time.monotonic())
         _wake.set()
     if _flusher is None:
-        _start_flusher()
+        # The background writer of this process.
+        _flusher = threading.Thread(
+            target=_run_flusher, args=(_stop, _wake), name="django_redis_mutex stats", daemon=True
+        )
+        _flusher.start()
     return figures
 
 
@@ -322,14 +326,6 @@ def _write(alias: str, figures: dict[_Key, _Figures]) -> int:
     return written
 
 
-def _flush_quietly(reason: str) -> None:
-    """Flush every alias that is due; log a failure, keeping its counts for the next try."""
-    try:
-        flush()
-    except (LockBackendUnavailable, RedisError) as exc:
-        logger.warning("Could not write lock contention figures (%s): %s", reason, exc)
-
-
 def _flush_due() -> None:
     """Flush each alias whose interval has passed; read back the hold times asked for."""
     now = time.monotonic()
@@ -364,21 +360,16 @@ def _run_flusher(stop: threading.Event, wake: threading.Event) -> None:
             _flusher = None
 
 
-def _start_flusher() -> None:
-    """Start the background writer of this process (called with the guard held)."""
-    global _flusher
-    _flusher = threading.Thread(
-        target=_run_flusher, args=(_stop, _wake), name="django_redis_mutex stats", daemon=True
-    )
-    _flusher.start()
-
-
 @atexit.register
 def _flush_at_exit() -> None:
     _stop.set()
     _wake.set()
     if _pending:
-        _flush_quietly("at exit")
+        try:
+            flush()
+        except (LockBackendUnavailable, RedisError) as exc:
+            # Logged, not raised: the process is ending, and its counts with it.
+            logger.warning("Could not write lock contention figures (%s): %s", "at exit", exc)
 
 
 @receiver(setting_changed)
@@ -548,15 +539,8 @@ def read_stats(using: str = "default", minutes: int = 60) -> StatsReport:
 
 def _read_holds(alias: str) -> dict[Counted, dict[int, int]]:
     """Return the hold histogram of every class over the last HISTORY_WINDOWS minutes."""
-    holds: dict[Counted, dict[int, int]] = {}
-    for fields in _read_windows(alias, _windows(HISTORY_WINDOWS)):
-        for name, count in fields.items():
-            parsed = _parse_field(name)
-            if parsed is None or parsed[0] != _HOLDS or parsed[1] is None:
-                continue
-            histogram = holds.setdefault(parsed[2], {})
-            histogram[parsed[1]] = histogram.get(parsed[1], 0) + count
-    return holds
+    report = read_stats(alias, HISTORY_WINDOWS)
+    return {(c.kind, c.lock_class): c.holds for c in report.classes if c.holds}
 
 
 # -- the Retry-After estimate ----------------------------------------------

@@ -62,15 +62,16 @@ def open_transactions() -> list[Any]:
     known = getattr(_connected, "connections", None)
     if not known:
         return []
-    found: list[Any] = []
-    for connection in list(known):
-        if not connection.in_atomic_block:
-            continue
-        blocks = connection.atomic_blocks
-        if blocks and getattr(blocks[0], "_from_testcase", False):
-            continue
-        found.append(connection)
-    return found
+    return [
+        connection
+        for connection in list(known)
+        if connection.in_atomic_block and not _outermost_is_testcase(connection.atomic_blocks)
+    ]
+
+
+def _outermost_is_testcase(blocks: list[Any]) -> bool:
+    """Return True if the outermost of ``blocks`` is a ``TestCase``'s atomic block."""
+    return bool(blocks) and getattr(blocks[0], "_from_testcase", False)
 
 
 class LockAfterReadWarning(RuntimeWarning):
