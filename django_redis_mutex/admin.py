@@ -16,6 +16,7 @@ from typing import Any
 
 from django.contrib import admin
 from django.contrib.auth import get_permission_codename
+from django.db.models.options import Options
 from django.http import HttpRequest, HttpResponse
 from django.urls import URLPattern, path
 
@@ -23,6 +24,11 @@ from . import admin_views
 from .models import Lock, Semaphore
 
 __all__ = ["LockAdmin"]
+
+
+def _has_permission(request: HttpRequest, action: str, opts: Options[Any]) -> bool:
+    codename = get_permission_codename(action, opts)
+    return bool(request.user.has_perm(f"{opts.app_label}.{codename}"))
 
 
 @admin.register(Lock)
@@ -40,14 +46,11 @@ class LockAdmin(admin.ModelAdmin):  # type: ignore[type-arg]
 
     def has_release_permission(self, request: HttpRequest) -> bool:
         """Return True if the user may force-release locks held by others."""
-        codename = get_permission_codename("release", self.opts)
-        return bool(request.user.has_perm(f"{self.opts.app_label}.{codename}"))
+        return _has_permission(request, "release", self.opts)
 
     def has_reset_semaphore_permission(self, request: HttpRequest) -> bool:
         """Return True if the user may free the permits of semaphores held by others."""
-        opts = Semaphore._meta
-        codename = get_permission_codename("reset", opts)
-        return bool(request.user.has_perm(f"{opts.app_label}.{codename}"))
+        return _has_permission(request, "reset", Semaphore._meta)
 
     def get_urls(self) -> list[URLPattern]:
         # Only the list and the release page: the default add/change/delete/history

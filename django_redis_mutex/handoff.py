@@ -15,7 +15,7 @@ Like the lock's own steps, these yield what to run and do no I/O (see
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, NamedTuple
 
 from . import scripts
 from .driver import Script, Steps
@@ -92,14 +92,11 @@ def release_steps(alias: str, keys: LockKeys, token: str, floor: int | None = No
     return bool(done)
 
 
-class Wakeup:
+class Wakeup(NamedTuple):
     """What a waiter's wake-up says: its fence, and who was next in line behind it then."""
 
-    __slots__ = ("fence", "successor")
-
-    def __init__(self, fence: int, successor: str | None) -> None:
-        self.fence = fence
-        self.successor = successor
+    fence: int
+    successor: str | None
 
 
 def parse_wakeup(value: Any) -> Wakeup:

@@ -121,13 +121,6 @@ _thread_agent = threading.local()
 _task_agents: weakref.WeakKeyDictionary[asyncio.Task[Any], int] = weakref.WeakKeyDictionary()
 
 
-def _thread_serial() -> int:
-    serial: int | None = getattr(_thread_agent, "serial", None)
-    if serial is None:
-        serial = _thread_agent.serial = next(_serials)
-    return serial
-
-
 def owner_metadata(label: str | None) -> str:
     """Return the JSON owner record stored with a lock: host, pid, thread or task, label, agent.
 
@@ -142,7 +135,10 @@ def owner_metadata(label: str | None) -> str:
         if serial is None:
             serial = _task_agents[task] = next(_serials)
         return _owner_start(_pid, task.get_name(), label) + f"t{serial:x}" + '"}'
-    return _owner_json(_pid, threading.current_thread().name, label, _thread_serial())
+    serial = getattr(_thread_agent, "serial", None)
+    if serial is None:
+        serial = _thread_agent.serial = next(_serials)
+    return _owner_json(_pid, threading.current_thread().name, label, serial)
 
 
 class Contention(NamedTuple):

@@ -336,8 +336,8 @@ class _Masters:
 # -- reading ---------------------------------------------------------------------
 
 
-def scanned_keys(client: Any, pattern: str) -> Iterator[list[str]]:
-    """Yield batches of the hash keys matching ``pattern``, each key once.
+def _keys_of_kind(client: Any, alias: str, kind: _Kind) -> Iterator[list[str]]:
+    """Yield batches of the hash keys of ``kind`` in ``alias``'s namespace, each key once.
 
     A cluster client scans every node it believes to be a primary; just after a
     failover that can include the demoted one, whose replica copy of every key
@@ -345,6 +345,7 @@ def scanned_keys(client: Any, pattern: str) -> Iterator[list[str]]:
     """
     batch: list[str] = []
     seen: set[str] = set()
+    pattern = kind.pattern(namespace(alias))
     for raw in client.scan_iter(match=pattern, count=SCAN_BATCH, _type="hash"):
         key = decode(raw)
         if key in seen:
@@ -356,10 +357,6 @@ def scanned_keys(client: Any, pattern: str) -> Iterator[list[str]]:
             batch = []
     if batch:
         yield batch
-
-
-def _keys_of_kind(client: Any, alias: str, kind: _Kind) -> Iterator[list[str]]:
-    return scanned_keys(client, kind.pattern(namespace(alias)))
 
 
 def _at(ms: int) -> datetime:
@@ -375,18 +372,18 @@ def _parse(
     token = record.get("token", "")
     if not token:
         return parse_shared(name, record, waiters, now_ms)
-    fence = record.get("fence", "")
+    stored_fence = record.get("fence", "")
+    fence = int(stored_fence) if stored_fence.isdigit() else 0
     acquired = record.get("acquired", "")
     # The fence is the server clock in µs when the lock was taken, unless the
     # counter ran ahead of the clock: then ACQUIRE stored the time itself.
-    clock = int(fence) // 1000 if fence.isdigit() else 0
-    ms = int(acquired) if acquired.isdigit() else clock
+    ms = int(acquired) if acquired.isdigit() else fence // 1000
     held = HeldLock(
         name=name,
         owner=parse_owner(record.get("owner")) or Owner(),
         acquired_at=_at(ms),
         time_left=max(pttl, 0) / 1000,
-        fence=int(fence) if fence.isdigit() else 0,
+        fence=fence,
         waiters=waiters,
     )
     return ListedLock(held, token)
@@ -638,7 +635,30 @@ def _reset(name: str, using: str | Sequence[str], kind: _Kind, token: str | None
     def keys_of(alias: str) -> LockKeys:
         return kind.keys(namespace(alias), name)
 
-    floor = _quorum_floor(masters, keys_of, name)
+    done = _reset_each(masters, keys_of, name, token)
+    masters.check_reset(kind.noun, name)
+    return max(done.values(), default=0)
+
+
+def _reset_each(
+    masters: _Masters,
+    keys_of: Callable[[str], LockKeys],
+    name: str | None = None,
+    token: str | None = None,
+) -> dict[str, int]:
+    """Force-release one lock on each master that answers; return what each one had.
+
+    ``keys_of(alias)`` are the lock's keys on a master; ``token`` as for :func:`_reset`.
+    On a quorum, the largest fence the lock's holders have on any master is read
+    first: the reset raises every master's fence counter to it as it frees the
+    lock, so the next majority's fence is larger (see quorum.py). One Redis's
+    counter gave the fences itself.
+    """
+
+    def read_fence(alias: str) -> int:
+        return int(run_steps(read_state_steps(alias, keys_of(alias)))[6])
+
+    floor = max(masters.each(read_fence, name).values(), default=0) if masters.members else None
 
     def run(alias: str) -> int:
         keys = keys_of(alias)
@@ -649,28 +669,7 @@ def _reset(name: str, using: str | Sequence[str], kind: _Kind, token: str | None
         # Each holder of a shared lock is released as itself, every one of them.
         return any([run_steps(release_steps(alias, keys, one, floor)) for one in token.split()])
 
-    done = masters.each(run, name)
-    masters.check_reset(kind.noun, name)
-    return max(done.values(), default=0)
-
-
-def _quorum_floor(
-    masters: _Masters, keys_of: Callable[[str], LockKeys], name: str | None = None
-) -> int | None:
-    """Return the largest fence the holders of one lock have on any master of a quorum.
-
-    ``keys_of(alias)`` are the lock's keys on a master. The reset raises every
-    master's fence counter to it as it frees the lock, so the next majority's
-    fence is larger (see quorum.py). None for one Redis, whose counter gave
-    the fences itself.
-    """
-    if not masters.members:
-        return None
-
-    def read(alias: str) -> int:
-        return int(run_steps(read_state_steps(alias, keys_of(alias)))[6])
-
-    return max(masters.each(read, name).values(), default=0)
+    return masters.each(run, name)
 
 
 def reset(name: str, using: str | Sequence[str] = "default") -> bool:
@@ -730,8 +729,7 @@ def reset_all(using: str | Sequence[str] = "default") -> int:
     count = 0
     for tag in sorted(tags):
         # The same lock on every master: that master's namespace, the same tag.
-        floor = _quorum_floor(masters, partial(_tag_keys, tag))
-        count += any(masters.each(partial(_reset_tag, tag, floor)).values())
+        count += any(_reset_each(masters, partial(_tag_keys, tag)).values())
     masters.check_reset("lock")
     return count
 
@@ -739,10 +737,6 @@ def reset_all(using: str | Sequence[str] = "default") -> int:
 def _tag_keys(tag: str, alias: str) -> LockKeys:
     """The keys on ``alias`` of the lock whose key ends in ``tag`` (its ``{name}``)."""
     return LockKeys.for_lock_key(f"{namespace(alias)}:{tag}")
-
-
-def _reset_tag(tag: str, floor: int | None, alias: str) -> int:
-    return run_steps(reset_steps(alias, _tag_keys(tag, alias), floor))
 
 
 def reset_listed(listed: ListedLock, using: str | Sequence[str] = "default") -> bool:

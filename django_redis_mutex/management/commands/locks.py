@@ -102,11 +102,6 @@ def source_line(alias: str, members: tuple[str, ...] | None) -> str:
     return f"Cache {alias!r} at {describe_redis(alias)}:"
 
 
-# After a shared lock's name, and in the name column of its further holders' lines.
-SHARED_MARK = "(shared)"
-MORE_HOLDERS = "  + shared"
-
-
 def table_rows(locks: list[HeldLock]) -> list[tuple[str, ...]]:
     """Return the table's rows of display strings, in COLUMNS order, escaped for a terminal.
 
@@ -122,7 +117,8 @@ def table_rows(locks: list[HeldLock]) -> list[tuple[str, ...]]:
             first = index == 0
             rows.append(
                 (
-                    (f"{name} {SHARED_MARK}" if lock.shared else name) if first else MORE_HOLDERS,
+                    # A shared lock's further holders: "+ shared" in the name column.
+                    (f"{name} (shared)" if lock.shared else name) if first else "  + shared",
                     *_owner_cells(hold.owner),
                     duration(introspection.seconds_since(hold.acquired_at)),
                     duration(hold.time_left),
@@ -404,11 +400,7 @@ class Command(BaseCommand):
             if evictions is not None:
                 self.stdout.write(self.style.WARNING(terminal_safe(evictions)))
         chosen = terminal_safe(lock_filter.describe()) if lock_filter else ""
-        if locks:
-            heading, *lines = _aligned([COLUMNS, *table_rows(locks)])
-            self.stdout.write(self.style.MIGRATE_HEADING(heading))
-            for line in lines:
-                self.stdout.write(line)
+        self._write_table(COLUMNS, table_rows(locks))
         self.stdout.write(_summary(alias, locks, members, chosen, total))
 
     def show_stats(self, alias: str, minutes: int, *, as_json: bool) -> None:
@@ -424,17 +416,22 @@ class Command(BaseCommand):
             self.stdout.write(json.dumps(entry, indent=2))
             return
         self.stdout.write(terminal_safe(source_line(alias, introspection.quorum_members(alias))))
-        if report.classes:
-            heading, *lines = _aligned([STATS_COLUMNS, *stats_rows(report)])
-            self.stdout.write(self.style.MIGRATE_HEADING(heading))
-            for line in lines:
-                self.stdout.write(line)
+        self._write_table(STATS_COLUMNS, stats_rows(report))
         counted = "" if get_settings(alias).stats else f" (STATS is off for cache {alias!r})"
         classes = len(report.classes)
         self.stdout.write(
             f"{classes} lock class{'' if classes == 1 else 'es'} in the last "
             f"{_plural(minutes, 'minute')}{counted}."
         )
+
+    def _write_table(self, columns: tuple[str, ...], rows: list[tuple[str, ...]]) -> None:
+        """Print ``rows`` aligned under a heading of ``columns``; nothing when there are none."""
+        if not rows:
+            return
+        heading, *lines = _aligned([columns, *rows])
+        self.stdout.write(self.style.MIGRATE_HEADING(heading))
+        for line in lines:
+            self.stdout.write(line)
 
     def confirmed(self, what: str, caveat: str = "") -> bool:
         """Ask whether to force-release ``what``; unless told "yes", say it is cancelled.
