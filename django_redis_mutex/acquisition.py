@@ -15,7 +15,7 @@ import asyncio
 import logging
 import secrets
 import time
-from typing import TYPE_CHECKING, Any, Literal
+from typing import Any, Literal, Protocol
 
 from redis import exceptions as redis_errors
 
@@ -26,17 +26,32 @@ from .driver import AsyncDriver, Pop, Sleep, Steps, run_in_child, run_steps
 from .exceptions import LockBackendUnavailable, LockDeadlock, LockUpgradeRefused
 from .giveback import give_back_later
 from .holds import Attempt, Hold, awaiting_hold, current_owner, owner_metadata, scoped_hold
-from .release import agive_back, forget, give_back
+from .release import Handle, agive_back, forget, give_back
 from .scripts import WAIT_LEASE
 from .topology import Grant
 from .watchdog import get_watchdog
 
-if TYPE_CHECKING:
-    from .lock import Mutex
-
 __all__ = ["aacquire", "acquire", "start", "wait_params"]
 
 logger = logging.getLogger("django_redis_mutex")
+
+
+class AcquiringHandle(Handle, Protocol):
+    """What acquiring asks of the lock handle beyond ending a hold (see lock.Mutex)."""
+
+    reentrant: bool
+    blocking: bool
+    timeout: float | None
+
+    @property
+    def lock_class(self) -> str: ...
+
+    @property
+    def _stats_class(self) -> tuple[str, str] | None: ...
+
+    def extend(self, ttl: float | None = None) -> None: ...
+
+    async def aextend(self, ttl: float | None = None) -> None: ...
 
 
 def wait_params(
@@ -52,7 +67,7 @@ def wait_params(
     return blocking, timeout
 
 
-def acquire(lock: Mutex, blocking: Any, timeout: Any) -> Hold | None:
+def acquire(lock: AcquiringHandle, blocking: Any, timeout: Any) -> Hold | None:
     """Acquire ``lock`` for the calling owner; return its hold, or None if it stayed contended."""
     blocking, timeout = wait_params(blocking, timeout, lock.blocking, lock.timeout)
     hold = _nest_candidate(lock)
@@ -92,7 +107,7 @@ def acquire(lock: Mutex, blocking: Any, timeout: Any) -> Hold | None:
     return hold
 
 
-async def aacquire(lock: Mutex, blocking: Any, timeout: Any) -> Hold | None:
+async def aacquire(lock: AcquiringHandle, blocking: Any, timeout: Any) -> Hold | None:
     """Async twin of :func:`acquire`; never blocks the event loop."""
     blocking, timeout = wait_params(blocking, timeout, lock.blocking, lock.timeout)
     hold = _nest_candidate(lock)
@@ -123,7 +138,7 @@ async def aacquire(lock: Mutex, blocking: Any, timeout: Any) -> Hold | None:
     return hold
 
 
-def start(lock: Mutex, blocking: bool, timeout: float | None) -> Attempt:
+def start(lock: AcquiringHandle, blocking: bool, timeout: float | None) -> Attempt:
     """Start a new acquisition by the calling owner (its thread, or its task)."""
     started = time.monotonic()
     deadline = None if timeout is None else started + timeout
@@ -135,7 +150,7 @@ def start(lock: Mutex, blocking: bool, timeout: float | None) -> Attempt:
     return Attempt(token, blocking, started, deadline, owner_metadata(lock.label))
 
 
-def _nest_candidate(lock: Mutex) -> Hold | None:
+def _nest_candidate(lock: AcquiringHandle) -> Hold | None:
     """Return the hold a new level may join: this owner's on this handle, or an open scope's.
 
     Reentrancy never outlives the block or call that created it: another
@@ -157,7 +172,7 @@ def _nest_candidate(lock: Mutex) -> Hold | None:
     return _joinable(lock, hold)
 
 
-def _joinable(lock: Mutex, hold: Hold) -> Hold:
+def _joinable(lock: AcquiringHandle, hold: Hold) -> Hold:
     """Return ``hold`` if ``lock`` may join it: never exclusively into a shared hold."""
     if hold.shared and not lock.shared:
         raise LockUpgradeRefused(
@@ -170,7 +185,7 @@ def _joinable(lock: Mutex, hold: Hold) -> Hold:
     return hold
 
 
-def _acquisition_steps(lock: Mutex, attempt: Attempt) -> Steps[Grant | None]:
+def _acquisition_steps(lock: AcquiringHandle, attempt: Attempt) -> Steps[Grant | None]:
     """Return the steps of a new acquisition, telling ``lock_waiting`` receivers if any."""
     steps = lock._where.acquire_steps(attempt)
     if attempt.blocking and signals.lock_waiting.receivers:
@@ -178,7 +193,7 @@ def _acquisition_steps(lock: Mutex, attempt: Attempt) -> Steps[Grant | None]:
     return steps
 
 
-def _note_contention(lock: Mutex, attempt: Attempt) -> None:
+def _note_contention(lock: AcquiringHandle, attempt: Attempt) -> None:
     """Keep a failed attempt's contention as its owner's, for ``Mutex.contended()``."""
     contention = attempt.contention._replace(waited=time.monotonic() - attempt.started)
     lock._levels.failed(contention)
@@ -196,7 +211,7 @@ def _note_contention(lock: Mutex, attempt: Attempt) -> None:
         )
 
 
-def _note_deadlock(lock: Mutex, attempt: Attempt, error: LockDeadlock) -> None:
+def _note_deadlock(lock: AcquiringHandle, attempt: Attempt, error: LockDeadlock) -> None:
     """Tell of a wait ended to break a deadlock: as a timeout, then ``lock_deadlock``."""
     _note_contention(lock, attempt)
     counted = lock._stats_class
@@ -207,7 +222,7 @@ def _note_deadlock(lock: Mutex, attempt: Attempt, error: LockDeadlock) -> None:
     )
 
 
-def _adopt(lock: Mutex, token: str, grant: Grant, owner: object = None) -> Hold:
+def _adopt(lock: AcquiringHandle, token: str, grant: Grant, owner: object = None) -> Hold:
     """Record a new acquisition as the handle's top level and start renewing it.
 
     ``owner`` defaults to the code running now (an async acquisition
@@ -238,7 +253,7 @@ def _adopt(lock: Mutex, token: str, grant: Grant, owner: object = None) -> Hold:
     return hold
 
 
-def _announce(lock: Mutex, hold: Hold, attempt: Attempt) -> None:
+def _announce(lock: AcquiringHandle, hold: Hold, attempt: Attempt) -> None:
     """Tell lock-order checking, the contention figures and ``lock_acquired`` receivers."""
     if lockorder.checking:
         lockorder.taken(hold, lock.kind, lock.lock_class)
@@ -252,12 +267,12 @@ def _announce(lock: Mutex, hold: Hold, attempt: Attempt) -> None:
     signals.send_about(signals.lock_acquired, lock, fence=hold.fence, wait=wait, waited=waited)
 
 
-def _short(lock: Mutex, hold: Hold) -> bool:
+def _short(lock: AcquiringHandle, hold: Hold) -> bool:
     """True when a hand-over's short lease must be lengthened now (no watchdog will)."""
     return not lock.watchdog and any(lease.ttl < lock.lease for lease in hold.leases.values())
 
 
-def _lapsed(lock: Mutex, hold: Hold) -> Steps[bool] | None:
+def _lapsed(lock: AcquiringHandle, hold: Hold) -> Steps[bool] | None:
     """Return the steps that make a lapsed new hold ours again, or None if it is valid.
 
     The wake-up was checked against the hand-over lease, but the process or
@@ -272,7 +287,7 @@ def _lapsed(lock: Mutex, hold: Hold) -> Steps[bool] | None:
     return lock._where.extend_steps(hold, lock.lease)
 
 
-def _still_granted(lock: Mutex, hold: Hold) -> bool:
+def _still_granted(lock: AcquiringHandle, hold: Hold) -> bool:
     """Return True if a new hold may be entered; else give it back (the caller queues again)."""
     steps = _lapsed(lock, hold)
     if steps is None:
@@ -288,7 +303,7 @@ def _still_granted(lock: Mutex, hold: Hold) -> bool:
     return kept
 
 
-async def _astill_granted(lock: Mutex, hold: Hold) -> bool:
+async def _astill_granted(lock: AcquiringHandle, hold: Hold) -> bool:
     """Async twin of :func:`_still_granted`."""
     steps = _lapsed(lock, hold)
     if steps is None:
@@ -304,7 +319,7 @@ async def _astill_granted(lock: Mutex, hold: Hold) -> bool:
     return kept
 
 
-def _abandon_later(lock: Mutex, token: str) -> None:
+def _abandon_later(lock: AcquiringHandle, token: str) -> None:
     """Leave the line and give back the lock from the background, once Redis answers.
 
     The script whose reply timed out may still run when Redis is
@@ -318,14 +333,14 @@ def _abandon_later(lock: Mutex, token: str) -> None:
     )
 
 
-def _abandon(lock: Mutex, token: str) -> None:
+def _abandon(lock: AcquiringHandle, token: str) -> None:
     try:
         run_steps(lock._where.abandon_steps(token))
     except Exception as exc:  # the interrupt that brought us here is what propagates
         _abandon_failed(lock, token, exc)
 
 
-def _abandon_failed(lock: Mutex, token: str, exc: Exception) -> None:
+def _abandon_failed(lock: AcquiringHandle, token: str, exc: Exception) -> None:
     # Leaving the line did not land (a cut connection, a Redis asleep): a
     # script in flight, or the next release, may still hand the lock to
     # this token, which nobody has. Retry until Redis answers.
@@ -338,7 +353,7 @@ def _abandon_failed(lock: Mutex, token: str, exc: Exception) -> None:
     _abandon_later(lock, token)
 
 
-async def _acquire_in_child(lock: Mutex, attempt: Attempt) -> Hold | None:
+async def _acquire_in_child(lock: AcquiringHandle, attempt: Attempt) -> Hold | None:
     """Run the acquisition with :func:`~.driver.run_in_child`: a cancel is never lost.
 
     The hold is adopted (and watched) in the child, as Redis's answer is
@@ -381,7 +396,7 @@ class _acquisition_errors(backend_errors):
 
     __slots__ = ("attempt", "lock")
 
-    def __init__(self, lock: Mutex, attempt: Attempt) -> None:
+    def __init__(self, lock: AcquiringHandle, attempt: Attempt) -> None:
         # No super().__init__(): this sits on every acquisition.
         self.name = lock.name
         self.alias = lock.using

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 from urllib.parse import urlencode
 
 from django.contrib import messages
@@ -41,8 +41,19 @@ from .introspection import HeldLock, HeldSemaphore, ListedLock, SemaphoreHolder,
 from .keys import validate_name
 from .models import Lock, Semaphore
 
-if TYPE_CHECKING:  # admin.py imports this module
-    from .admin import LockAdmin
+
+class LockAdmin(Protocol):
+    """What the views need of the admin class that serves them (see admin.py)."""
+
+    opts: Any
+    admin_site: Any
+
+    def has_view_permission(self, request: HttpRequest, obj: Any = None) -> bool: ...
+
+    def has_release_permission(self, request: HttpRequest) -> bool: ...
+
+    def has_reset_semaphore_permission(self, request: HttpRequest) -> bool: ...
+
 
 __all__ = [
     "REFRESH_SECONDS",

@@ -14,15 +14,13 @@ import logging
 from typing import TYPE_CHECKING, Any, Literal, TypeVar, cast
 
 from . import acquisition
+from .acquisition import AcquiringHandle
 from .conf import DEFAULT, MutexSettings
 from .exceptions import LockBackendUnavailable, LockContended, LockError, LockLost, LockNotOwned
 from .holds import Hold, close_scope, open_scope
 from .levels import Levels
 from .release import arelease, release
 from .watchdog import declare_if_lapsed
-
-if TYPE_CHECKING:
-    from .lock import Mutex
 
 __all__ = ["LockBlock"]
 
@@ -44,9 +42,9 @@ class LockBlock:
         def contended(self) -> LockContended: ...
 
     @property
-    def _handle(self) -> Mutex:
+    def _handle(self) -> AcquiringHandle:
         # Only Mutex (and its subclasses) mix this in.
-        return cast("Mutex", self)
+        return cast(AcquiringHandle, self)
 
     def __enter__(self: B) -> B:
         try:

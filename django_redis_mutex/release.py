@@ -20,20 +20,20 @@ import logging
 import sys
 import time
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from typing import Protocol, TypeVar
 
 from . import signals, stats
-from .driver import AsyncDriver, run_steps
+from .driver import AsyncDriver, Steps, run_steps
 from .exceptions import LockBackendUnavailable, LockNotOwned
 from .giveback import give_back_later
 from .holds import Hold, await_transaction, transaction_ended
+from .levels import Levels
+from .topology import LockHandle, OneRedis
 from .transactions import TransactionWait, open_transactions, warn_if_read_before
 from .watchdog import declare_if_lapsed, declare_lost, get_watchdog
 
-if TYPE_CHECKING:
-    from .lock import Mutex
-
 __all__ = [
+    "Handle",
     "agive_back",
     "arelease",
     "finish",
@@ -47,10 +47,27 @@ __all__ = [
     "release_failed_locally",
 ]
 
+T = TypeVar("T")
+
 logger = logging.getLogger("django_redis_mutex")
 
 
-def forget(lock: Mutex, hold: Hold, *, unwatched: bool = False) -> None:
+class Handle(LockHandle, Protocol):
+    """What acquiring and ending a hold ask of its lock handle (see lock.Mutex)."""
+
+    shared: bool
+    watchdog: bool
+    release_at_block_end: bool
+    _where: OneRedis
+    _levels: Levels
+    _kind_signal: dict[str, str]
+
+    def _run(self, steps: Steps[T]) -> T: ...
+
+    async def _arun(self, steps: Steps[T]) -> T: ...
+
+
+def forget(lock: Handle, hold: Hold, *, unwatched: bool = False) -> None:
     """End ``hold`` locally: no renewal, no level of this handle, nothing nests into it."""
     if not unwatched:
         get_watchdog().unwatch(hold)
@@ -58,7 +75,7 @@ def forget(lock: Mutex, hold: Hold, *, unwatched: bool = False) -> None:
     lock._levels.remove(hold)
 
 
-def give_back(lock: Mutex, hold: Hold) -> None:
+def give_back(lock: Handle, hold: Hold) -> None:
     """Release a hold the caller will never see (best effort; its lease ends anyway)."""
     forget(lock, hold)
     try:
@@ -67,7 +84,7 @@ def give_back(lock: Mutex, hold: Hold) -> None:
         logger.warning("Could not give back %s %r: %s", lock.kind, lock.name, exc)
 
 
-async def agive_back(lock: Mutex, hold: Hold) -> None:
+async def agive_back(lock: Handle, hold: Hold) -> None:
     """Async twin of :func:`give_back`."""
     forget(lock, hold)
     try:
@@ -76,7 +93,7 @@ async def agive_back(lock: Mutex, hold: Hold) -> None:
         logger.warning("Could not give back %s %r: %s", lock.kind, lock.name, exc)
 
 
-def release(lock: Mutex, hold: Hold) -> None:
+def release(lock: Handle, hold: Hold) -> None:
     """Release one level of ``hold``: kept for an open transaction, else given back in Redis."""
     if lock._levels.drop(hold):
         return
@@ -93,7 +110,7 @@ def release(lock: Mutex, hold: Hold) -> None:
     finish(lock, hold, released)
 
 
-async def arelease(lock: Mutex, hold: Hold) -> None:
+async def arelease(lock: Handle, hold: Hold) -> None:
     """Async twin of :func:`release`."""
     if lock._levels.drop(hold):
         return
@@ -132,7 +149,7 @@ def _stays(hold: Hold, kept: list[str] | None) -> bool:
     return False
 
 
-def held_or_raise(lock: Mutex, action: str) -> Hold:
+def held_or_raise(lock: Handle, action: str) -> Hold:
     """Return the hold ``action`` applies to, or raise LockNotOwned."""
     hold = lock._levels.current()
     if hold is None or not hold.active:
@@ -143,7 +160,7 @@ def held_or_raise(lock: Mutex, action: str) -> Hold:
     return hold
 
 
-def release_failed_locally(lock: Mutex, hold: Hold) -> None:
+def release_failed_locally(lock: Handle, hold: Hold) -> None:
     """Keep a hold whose release failed on the handle, for a retry, and never renew it."""
     # The release may have reached Redis with only its reply lost: stop
     # renewing, and never let anything nest into this hold again. The level
@@ -160,7 +177,7 @@ def release_failed_locally(lock: Mutex, hold: Hold) -> None:
         _give_back_later(lock, hold, lambda: hold.active)
 
 
-def _give_back_later(lock: Mutex, hold: Hold, needed: Callable[[], bool] | None = None) -> None:
+def _give_back_later(lock: Handle, hold: Hold, needed: Callable[[], bool] | None = None) -> None:
     give_back_later(
         f"{lock.kind} {lock.name!r} (fence {hold.fence})",
         lambda: lock._where.release_steps(hold),
@@ -169,7 +186,7 @@ def _give_back_later(lock: Mutex, hold: Hold, needed: Callable[[], bool] | None 
     )
 
 
-def finish(lock: Mutex, hold: Hold, released: bool, databases: tuple[str, ...] = ()) -> None:
+def finish(lock: Handle, hold: Hold, released: bool, databases: tuple[str, ...] = ()) -> None:
     """Forget the hold after Redis answered the release (the watchdog had let go before)."""
     if not released and hold.releasing:
         # A retry of a release that failed: that release (only its reply
@@ -201,7 +218,7 @@ def finish(lock: Mutex, hold: Hold, released: bool, databases: tuple[str, ...] =
     )
 
 
-def keep_for_transaction(lock: Mutex, hold: Hold) -> list[str] | None:
+def keep_for_transaction(lock: Handle, hold: Hold) -> list[str] | None:
     """Keep ``hold`` until this thread's open transactions end, if any are open.
 
     Return None when the lock is to be given back now, else the aliases
@@ -239,7 +256,7 @@ def keep_for_transaction(lock: Mutex, hold: Hold) -> list[str] | None:
     return list(wait.aliases) if newly else []
 
 
-def lost_while_kept(lock: Mutex, hold: Hold) -> None:
+def lost_while_kept(lock: Handle, hold: Hold) -> None:
     """The lock was gone when its block ended in a transaction: tell the block."""
     _stop_keeping(hold)
     finish(lock, hold, False)  # raises LockNotOwned: the block raises LockLost
@@ -253,7 +270,7 @@ def _stop_keeping(hold: Hold) -> None:
     transaction_ended(hold)
 
 
-def release_after_transaction(lock: Mutex, hold: Hold) -> None:
+def release_after_transaction(lock: Handle, hold: Hold) -> None:
     """Give back a hold kept for a transaction that has just committed or rolled back."""
     transaction_ended(hold)
     wait, hold.transaction_wait = hold.transaction_wait, None
