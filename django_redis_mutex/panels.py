@@ -25,6 +25,7 @@ from typing import Any
 from debug_toolbar.panels import Panel
 from django.dispatch import Signal
 from django.http import HttpRequest, HttpResponse
+from django.template.loader import render_to_string
 from django.utils.translation import gettext_lazy as _
 from django.utils.translation import ngettext
 from redis.exceptions import RedisError
@@ -38,6 +39,28 @@ from .signals import ReceiverGroup
 
 __all__ = ["LocksPanel"]
 
+# The column titles of the panel's two tables: the summary, and the locks.
+_SUMMARY_COLUMNS = (_("Acquisitions"), _("Contended"), _("Time waiting"), _("Time held"))
+_LOCK_COLUMNS = (
+    _("At"),
+    _("Lock"),
+    _("Cache"),
+    _("Outcome"),
+    _("Fence"),
+    _("Waited"),
+    _("Held"),
+    _("Detail"),
+)
+_CONTENTION_COLUMNS = (
+    _("Cache"),
+    _("Lock class"),
+    _("Acquired"),
+    _("Waited"),
+    _("Gave up"),
+    _("Wait p99"),
+    _("Hold p50"),
+    _("Hold p99"),
+)
 # How many classes and minutes the contention section shows.
 _HOTTEST, _MINUTES = 5, 15
 
@@ -195,6 +218,17 @@ class LocksPanel(Panel):
             subtitle += ", " + _("%(ms).1f ms waiting") % {"ms": waited}
         return subtitle
 
+    @property
+    def content(self) -> str:
+        stats = self.get_stats()  # type: ignore[no-untyped-call]
+        columns = {
+            "summary_columns": _SUMMARY_COLUMNS,
+            "lock_columns": _LOCK_COLUMNS,
+            "contention_columns": _CONTENTION_COLUMNS,
+            "contention_minutes": _MINUTES,
+        }
+        return render_to_string(self.template, {**stats, **columns})
+
     def enable_instrumentation(self) -> None:
         if not self._listening:
             self._listening = True
@@ -232,7 +266,6 @@ class LocksPanel(Panel):
             {
                 "locks": [asdict(row) for row in rows],
                 "contention": _hottest(sorted(aliases)),
-                "contention_minutes": _MINUTES,
                 "contended": sum(row.outcome == "contended" for row in rows),
                 "waited": round(sum(row.wait for row in rows), 2),
                 "held": round(sum(row.held or 0.0 for row in rows), 2),

@@ -40,7 +40,7 @@ REQUIRED_FILES = (
     "django_redis_mutex/templates/django_redis_mutex/admin/locks.html",
     "django_redis_mutex/templates/django_redis_mutex/admin/release.html",
     "django_redis_mutex/templates/django_redis_mutex/admin/page.html",
-    "django_redis_mutex/templates/django_redis_mutex/panels/locks.html",
+    "django_redis_mutex/templates/django_redis_mutex/panels/head.html",
     "django_redis_mutex/static/django_redis_mutex/admin/locks.js",
     "django_redis_mutex/migrations/__init__.py",
     "django_redis_mutex/migrations/0001_initial.py",
