@@ -66,6 +66,9 @@ nitpick_ignore = [
     ("py:class", "django.http.response.HttpResponse"),
     ("py:class", "HttpRequest"),
     ("py:class", "HttpResponse"),
+    # MutexMiddleware's base class, named by autodoc; Django documents it
+    # only in prose (its middleware upgrade notes).
+    ("py:class", "django.utils.deprecation.MiddlewareMixin"),
     # The type variable of the decorated function in mutex() and
     # skip_if_locked(): a typing detail, not part of the API.
     ("py:class", "django_redis_mutex.decorators.F"),
