@@ -20,7 +20,10 @@ records when, at which revision and under which load it was measured);
 results/latest.json without running anything.
 
 Every server and process the run starts is stopped on the way out, whether the
-run finished, failed or was interrupted (Ctrl-C, SIGTERM, SIGHUP).
+run finished, failed or was interrupted (Ctrl-C, SIGTERM, SIGHUP). The run
+exits 1 when a scenario failed or a safety target (:data:`SAFETY`) was missed;
+a speed target missed is reported, never a failure: speed depends on the
+machine, while a lost update or a key left without a TTL is a bug anywhere.
 """
 
 from __future__ import annotations
@@ -65,6 +68,9 @@ from uncontended import run_uncontended  # noqa: E402
 from django_redis_mutex.testing import RedisServer  # noqa: E402
 
 COMMAND = "UV_PYTHON_DOWNLOADS=never uv run --group bench python benchmarks/bench.py"
+# The targets that judge correctness, not speed (ids of report.evaluate_targets):
+# no lost update in any scenario, no key of a lock left without a TTL.
+SAFETY = frozenset({"lost-updates", "waiters-keys"})
 SCENARIOS = (
     "uncontended",
     "contended",
@@ -548,8 +554,10 @@ def main(argv: list[str]) -> int:
     failed = {name for run in runs for name in run.get("failed", {})}
     if failed:
         log(f"Failed scenarios (recorded as such): {', '.join(sorted(failed))}")
-        return 1
-    return 0
+    unsafe = [t["target"] for t in results["targets"] if t["id"] in SAFETY and t["met"] is False]
+    if unsafe:
+        log(f"Safety targets missed: {'; '.join(unsafe)}")
+    return 1 if failed or unsafe else 0
 
 
 if __name__ == "__main__":
