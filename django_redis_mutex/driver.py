@@ -394,10 +394,18 @@ class AsyncDriver:
             steps.close()
 
     async def _do(self, op: Op) -> Any:
-        if isinstance(op, Script | Each | Acknowledged):
+        if isinstance(op, Script):
             self.in_script = True
+            sent = time.monotonic()
             try:
-                return await _ascript(op)
+                client = await get_async_client(op.alias)
+                sent = time.monotonic()
+                return sent, await scripts.arun(client, op.script, op.keys, op.args)
+            except (RedisError, OSError) as exc:
+                if not op.best_effort:
+                    raise
+                _gave_up(op, exc)
+                return sent, None
             finally:
                 self.in_script = False
         if isinstance(op, Pop):
@@ -414,35 +422,29 @@ class AsyncDriver:
                 if not _unblocked(exc):
                     raise
                 return None
+        if isinstance(op, Each):
+            self.in_script = True
+            try:
+                return await _aeach(op)
+            finally:
+                self.in_script = False
         if isinstance(op, Commands):
             return await _acommands(op)
+        if isinstance(op, Acknowledged):
+            self.in_script = True
+            try:
+                client = await get_async_client(
+                    op.alias, read_timeout=blocking_read_timeout(op.alias, op.timeout)
+                )
+                sent = time.monotonic()
+                reply, acknowledged = await scripts.arun_acknowledged(
+                    client, op.script, op.keys, op.args, op.replicas, op.timeout
+                )
+                return sent, reply, acknowledged
+            finally:
+                self.in_script = False
         await asyncio.sleep(op.seconds)
         return None
-
-
-async def _ascript(op: Script | Each | Acknowledged) -> Any:
-    """Run a script op: the ones a cancelled caller lets finish (see :class:`AsyncDriver`)."""
-    if isinstance(op, Each):
-        return await _aeach(op)
-    if isinstance(op, Acknowledged):
-        client = await get_async_client(
-            op.alias, read_timeout=blocking_read_timeout(op.alias, op.timeout)
-        )
-        sent = time.monotonic()
-        reply, acknowledged = await scripts.arun_acknowledged(
-            client, op.script, op.keys, op.args, op.replicas, op.timeout
-        )
-        return sent, reply, acknowledged
-    sent = time.monotonic()
-    try:
-        client = await get_async_client(op.alias)
-        sent = time.monotonic()
-        return sent, await scripts.arun(client, op.script, op.keys, op.args)
-    except (RedisError, OSError) as exc:
-        if not op.best_effort:
-            raise
-        _gave_up(op, exc)
-        return sent, None
 
 
 async def _acommands(op: Commands) -> list[Any] | None:
