@@ -369,7 +369,7 @@ def _flush_at_exit() -> None:
             flush()
         except (LockBackendUnavailable, RedisError) as exc:
             # Logged, not raised: the process is ending, and its counts with it.
-            logger.warning("Could not write lock contention figures (%s): %s", "at exit", exc)
+            logger.warning("Could not write lock contention figures at exit: %s", exc)
 
 
 @receiver(setting_changed)
