@@ -463,9 +463,9 @@ def _confirm_or_free(request: HttpRequest, model_admin: LockAdmin, kind: _Kind) 
     # Narrowed as the POST will narrow them: a shared lock to the holders the filter
     # selects. A semaphore, never filtered, comes back whole.
     selected = {
-        name: narrowed[0]
+        name: chosen
         for name, item in found.items()
-        if (narrowed := filters.lock_filter.narrow([item]))
+        if (chosen := filters.lock_filter.select(item)) is not None
     }
     unmatched = [terminal_safe(n) for n in names if n in found and n not in selected]
     if not selected:

@@ -163,7 +163,10 @@ class LockFilter:
 
         A reset of the result releases only those holders of a lock held
         shared: reclaiming one host's holds leaves the other hosts' alone.
+        An empty filter returns ``listed`` whole (a semaphore is never filtered).
         """
+        if not self:
+            return listed
         held = listed.held
         if not held.shared:
             return listed if self.matches(held) else None
@@ -175,12 +178,9 @@ class LockFilter:
         return held_shared(held.name, kept, held.waiters, held.masters) if kept else None
 
     def narrow(self, listed: list[ListedLock]) -> list[ListedLock]:
-        """Return the locks of ``listed`` this filter selects, each narrowed by :meth:`select`.
-
-        An empty filter returns ``listed`` itself: it selects every lock whole.
-        """
+        """Return the locks of ``listed`` this filter selects, each narrowed by :meth:`select`."""
         if not self:
-            return listed
+            return listed  # every lock, whole: no copy of a long listing
         return [chosen for item in listed if (chosen := self.select(item)) is not None]
 
     def _matches(self, owner: Owner, held_for: float) -> bool:

@@ -132,14 +132,26 @@ def table_rows(locks: list[HeldLock]) -> list[tuple[str, ...]]:
 def stats_rows(report: stats.StatsReport) -> list[tuple[str, ...]]:
     """Return the --stats table's rows, in STATS_COLUMNS order, hottest class first.
 
-    The admin page's figures (``figures_row``, whose keys run in column order)
-    as text; the count that waited and its share fill one cell: ``2 (50%)``.
+    The figures as the admin page formats them (``figures_row``); the count
+    that waited and its share fill one cell: ``2 (50%)``.
     """
     rows: list[tuple[str, ...]] = []
     for figures in report.classes:
         row = figures_row(figures)
-        row["waited"] = f"{row['waited']} ({row.pop('waited_share')})"
-        rows.append(tuple(str(value) for value in row.values()))
+        rows.append(
+            (
+                row["lock_class"],
+                str(row["acquired"]),
+                f"{row['waited']} ({row['waited_share']})",
+                str(row["contended"]),
+                row["wait_p50"],
+                row["wait_p99"],
+                row["hold_p50"],
+                row["hold_p99"],
+                str(row["lost"]),
+                str(row["deadlocks"]),
+            )
+        )
     return rows
 
 
